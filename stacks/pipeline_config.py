@@ -1,0 +1,175 @@
+"""Typed configuration of the orchestration layer (state machine, triggers, canary, alarms).
+
+One `PipelineConfig` lives in every stage config (`StageConfig.pipeline`, stacks/config.py).
+It is default-constructible: the defaults are what a production stage should run with; a stage
+overrides only what differs, e.g. `PipelineConfig(canary_interval_minutes=None)` for a dev stage
+that should not pay for an hourly trn1.2xlarge.
+
+Every check raises `ValueError` with a fix-it message, at synth time, before anything reaches AWS.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# Step Functions state names of the Batch steps, in pipeline order. The timeouts below and the
+# state machine construct share these names so a typo is a KeyError at synth, not a silent default.
+BATCH_STEPS: tuple[str, ...] = ("Sanity", "Compile", "Train", "Validate", "Embed")
+
+# Batch SubmitJob: schedulingPriorityOverride must be 0..9999 (higher = scheduled first).
+# https://docs.aws.amazon.com/batch/latest/APIReference/API_SubmitJob.html
+_MAX_PRIORITY = 9999
+# Batch share identifiers: up to 255 letters, digits and underscores (fair-share policy rules).
+_SHARE_RE = re.compile(r"^[A-Za-z0-9_]{1,255}$")
+# Step Functions retriers: MaxDelaySeconds must be < 31622400 (one year); keep it sane instead.
+_MAX_RETRY_DELAY_SECONDS = 3600
+_EMAIL_RE = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """Orchestration settings for one stage."""
+
+    # -- Batch submissions ---------------------------------------------------------------
+    default_num_nodes: int = 2
+    """Nodes for the multi-node steps (Sanity, Compile, Train) when the execution input has no
+    `num_nodes`. Sanity and Compile always use the same count as Train: the compile cache is keyed
+    by world size, and a sanity check of a different topology proves nothing. Must not exceed the
+    training compute environment's max nodes (checked by StageConfig, which knows both)."""
+
+    production_share: str = "production"
+    """Fair-share identifier for scheduled/triggered runs. Must be one of the compute stack's
+    `share_identifiers`; every submission carries one because the queues have a fair-share policy."""
+
+    experiments_share: str = "experiments"
+    """Fair-share identifier for manual experiment runs (input `"share": "experiments"`)."""
+
+    default_priority: int = 50
+    """SchedulingPriorityOverride (0..9999, higher first) when the input has no `priority`."""
+
+    embed_array_size: int = 4
+    """Default number of embed shards (Batch array size, 2..10000) when the input has no
+    `embed_shards`. Each child embeds catalog shard AWS_BATCH_JOB_ARRAY_INDEX of the size."""
+
+    # -- Timeouts (minutes) per state; a state over its budget fails into the failure path ----
+    sanity_timeout_minutes: int = 30
+    compile_timeout_minutes: int = 180
+    train_timeout_minutes: int = 72 * 60
+    validate_timeout_minutes: int = 120
+    embed_timeout_minutes: int = 240
+    """Per-state TimeoutSeconds. Step Functions then stops the .sync task and terminates the Batch
+    job (the role holds batch:TerminateJob). Queue wait (RUNNABLE) counts against it too."""
+
+    # -- Retries of Batch API errors only (host/exit-code retries are the job definitions') ---
+    retry_interval_seconds: int = 5
+    retry_max_attempts: int = 6
+    retry_backoff_rate: float = 2.0
+    retry_max_delay_seconds: int = 300
+    """Exponential backoff with full jitter for Batch.AWSBatchException / ServerException /
+    TooManyRequestsException: 5 s, 10 s, 20 s, ... capped at 5 minutes, randomised."""
+
+    # -- Canary --------------------------------------------------------------------------
+    canary_interval_minutes: int | None = 60
+    """Run the single-node sanity canary every N minutes; None disables it (and its alarm).
+    M5 ran hourly canaries to find bad hosts before a training run does."""
+
+    canary_num_nodes: int = 1
+
+    # -- Stuck jobs ----------------------------------------------------------------------
+    stall_timeout_minutes: int = 30
+    """Minutes without a training-progress heartbeat (metric TrainStep) before the stall alarm
+    fires and the running Train job is terminated. 30 as in M5; must exceed the longest honest
+    gap between heartbeats (first-step graph compilation when the cache is cold)."""
+
+    # -- Triggers ------------------------------------------------------------------------
+    trigger_enabled: bool = True
+    """Start a run when `incoming/<dataset>/<version>/_SUCCESS` is created in the data bucket."""
+
+    incoming_prefix: str = "incoming/"
+    success_marker: str = "_SUCCESS"
+
+    # -- Notifications and logs ----------------------------------------------------------
+    notification_email: str | None = None
+    """Optional e-mail subscribed to the alarm/notification topic (confirm the subscription)."""
+
+    log_retention_days: int = 365
+    """Retention of the state machine's execution log group (a valid CloudWatch value)."""
+
+    def __post_init__(self) -> None:
+        if self.default_num_nodes < 1:
+            raise ValueError(
+                f"PipelineConfig.default_num_nodes={self.default_num_nodes}: must be >= 1 "
+                "(use 1 for single-node training, 2+ for multi-node)."
+            )
+        if self.canary_num_nodes < 1:
+            raise ValueError(f"PipelineConfig.canary_num_nodes={self.canary_num_nodes}: must be >= 1.")
+        for name in ("production_share", "experiments_share"):
+            value = getattr(self, name)
+            if not _SHARE_RE.match(value):
+                raise ValueError(
+                    f"PipelineConfig.{name}={value!r}: a Batch share identifier is 1-255 letters, "
+                    "digits or underscores; use one of the compute stack's share_identifiers."
+                )
+        if not 0 <= self.default_priority <= _MAX_PRIORITY:
+            raise ValueError(
+                f"PipelineConfig.default_priority={self.default_priority}: Batch accepts 0..{_MAX_PRIORITY}."
+            )
+        if not 2 <= self.embed_array_size <= 10_000:
+            raise ValueError(
+                f"PipelineConfig.embed_array_size={self.embed_array_size}: a Batch array job has 2..10000 "
+                "children; for a single shard raise it to 2 or embed in the validate step."
+            )
+        for step in BATCH_STEPS:
+            minutes = self.timeout_minutes(step)
+            if minutes < 1:
+                raise ValueError(f"PipelineConfig.{step.lower()}_timeout_minutes={minutes}: must be >= 1.")
+        if self.retry_interval_seconds < 1 or self.retry_max_attempts < 1:
+            raise ValueError(
+                "PipelineConfig.retry_interval_seconds and retry_max_attempts must be >= 1 "
+                f"(got {self.retry_interval_seconds}, {self.retry_max_attempts})."
+            )
+        if self.retry_backoff_rate < 1.0:
+            raise ValueError(
+                f"PipelineConfig.retry_backoff_rate={self.retry_backoff_rate}: must be >= 1.0 (exponential backoff)."
+            )
+        if not self.retry_interval_seconds <= self.retry_max_delay_seconds <= _MAX_RETRY_DELAY_SECONDS:
+            raise ValueError(
+                f"PipelineConfig.retry_max_delay_seconds={self.retry_max_delay_seconds}: must be between "
+                f"retry_interval_seconds ({self.retry_interval_seconds}) and {_MAX_RETRY_DELAY_SECONDS}."
+            )
+        if self.canary_interval_minutes is not None and not 5 <= self.canary_interval_minutes <= 24 * 60:
+            raise ValueError(
+                f"PipelineConfig.canary_interval_minutes={self.canary_interval_minutes}: use 5..1440, "
+                "or None to disable the canary."
+            )
+        if not 5 <= self.stall_timeout_minutes <= 24 * 60:
+            raise ValueError(
+                f"PipelineConfig.stall_timeout_minutes={self.stall_timeout_minutes}: use 5..1440; the heartbeat "
+                "is per step, so anything below the slowest step's duration kills healthy jobs."
+            )
+        if self.stall_timeout_minutes >= self.train_timeout_minutes:
+            raise ValueError(
+                "PipelineConfig.stall_timeout_minutes must be smaller than train_timeout_minutes, "
+                "otherwise the stall alarm can never fire before the state timeout."
+            )
+        if not self.incoming_prefix or not self.incoming_prefix.endswith("/") or self.incoming_prefix.startswith("/"):
+            raise ValueError(
+                f"PipelineConfig.incoming_prefix={self.incoming_prefix!r}: use a key prefix like 'incoming/' "
+                "(no leading slash, trailing slash)."
+            )
+        if not self.success_marker or "/" in self.success_marker:
+            raise ValueError(
+                f"PipelineConfig.success_marker={self.success_marker!r}: a plain object name like '_SUCCESS'."
+            )
+        if self.notification_email is not None and not _EMAIL_RE.match(self.notification_email):
+            raise ValueError(
+                f"PipelineConfig.notification_email={self.notification_email!r}: not an e-mail address; "
+                "use None for no subscription."
+            )
+        if self.log_retention_days < 1:
+            raise ValueError(f"PipelineConfig.log_retention_days={self.log_retention_days}: must be >= 1.")
+
+    def timeout_minutes(self, step: str) -> int:
+        """Timeout of a Batch state by its state name (one of BATCH_STEPS)."""
+        return int(getattr(self, f"{step.lower()}_timeout_minutes"))
