@@ -1,0 +1,69 @@
+"""The CLI: `python -m pipeline_steps <step> [args]` (installed as `pipeline-steps`).
+
+Each step lives in its own module with a `main(argv) -> int | None`; this dispatcher imports only
+the step asked for, so `sanity` never pays for tokenizers and `--help` is instant. Expected
+failures (`StepError`) become one clear line on stderr and the exit code from `errors.ExitCode`;
+anything else is a bug and keeps its traceback (exit 1).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+
+from .errors import ExitCode, StepError
+
+STEPS: dict[str, tuple[str, str]] = {
+    "prepare": ("pipeline_steps.prepare", "validate records, train the tokenizer, write static-shape shards + holdout"),
+    "sanity": ("pipeline_steps.sanity", "device and collective health checks (run before spending trn1 hours)"),
+    "compile": ("pipeline_steps.aot_compile", "ahead-of-time compile: trace every training graph once"),
+    "train": ("pipeline_steps.train", "DDP / XLA training with resumable, portable checkpoints"),
+    "validate": ("pipeline_steps.validate", "holdout metrics, BM25 baseline and the quality gate"),
+    "embed": ("pipeline_steps.embed", "sharded batch inference of the catalog to Parquet"),
+    "run-local": ("pipeline_steps.run_local", "the whole chain on this machine (demo data by default)"),
+    "bench": ("pipeline_steps.bench", "throughput ratios against a peer and this machine's ceiling"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: python -m pipeline_steps <step> [--help] [args]", "", "steps:"]
+    lines += [f"  {name:<10} {desc}" for name, (_, desc) in STEPS.items()]
+    lines += ["", "exit codes: " + ", ".join(f"{c.value}={c.name.lower()}" for c in ExitCode)]
+    return "\n".join(lines)
+
+
+def configure_logging() -> None:
+    rank = os.environ.get("RANK")
+    prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
+    logging.basicConfig(
+        level=os.environ.get("PIPELINE_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s",
+        datefmt="%Y-%m-%dT%H:%M:%S",
+        stream=sys.stderr,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return ExitCode.OK if argv else ExitCode.USAGE
+    step, rest = argv[0], argv[1:]
+    if step not in STEPS:
+        print(f"unknown step {step!r}\n\n{_usage()}", file=sys.stderr)
+        return ExitCode.USAGE
+    configure_logging()
+    module = importlib.import_module(STEPS[step][0])
+    try:
+        code = module.main(rest)
+    except StepError as exc:
+        logging.getLogger(f"pipeline_steps.{step}").error("%s (exit %d: %s)", exc, exc.exit_code,
+                                                          exc.exit_code.name.lower())
+        return int(exc.exit_code)
+    return int(code or ExitCode.OK)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

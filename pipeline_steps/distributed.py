@@ -1,0 +1,295 @@
+"""Device and world, resolved once: the only module that touches torch_xla / torch-neuronx.
+
+Backends
+- `cpu`:  eager PyTorch; multi-process DDP over `gloo` under torchrun.
+- `cuda`: eager PyTorch; multi-process DDP over `nccl` under torchrun.
+- `xla`:  PyTorch/XLA. On Trainium (torch-neuronx installed, `PJRT_DEVICE=NEURON`) this is the
+          production path; locally it runs on PJRT's CPU client (`PJRT_DEVICE=CPU`, single process:
+          torch-xla's CPU backend cannot run multi-process collectives, pytorch/xla#5005).
+          Multi-worker XLA uses `init_process_group("xla")` and `xm.optimizer_step` (gradient
+          all-reduce), without the DDP wrapper, as Neuron recommends.
+
+Everything else in the package calls the functions here and never imports torch_xla itself, so
+the package imports (and the eager backends run) where torch_xla is not installed, and a native
+Neuron backend can replace the XLA path in one place.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import random
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .errors import BadConfigError, RetryableError
+
+BACKENDS = ("cpu", "cuda", "xla")
+
+
+@dataclass(frozen=True)
+class World:
+    backend: str
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_xla(self) -> bool:
+        return self.backend == "xla"
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def xla_available() -> bool:
+    return importlib.util.find_spec("torch_xla") is not None
+
+
+def neuron_available() -> bool:
+    return importlib.util.find_spec("torch_neuronx") is not None
+
+
+def default_backend() -> str:
+    """`xla` on a Trainium host, `cuda` with a GPU, else `cpu`."""
+    if neuron_available():
+        return "xla"
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value in (None, "") else int(value)
+
+
+def init(backend: str) -> World:
+    """Resolve the device and join the process group (torchrun's RANK/WORLD_SIZE/LOCAL_RANK)."""
+    if backend not in BACKENDS:
+        raise BadConfigError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+
+    if backend == "xla":
+        if not xla_available():
+            raise BadConfigError(
+                "backend 'xla' needs torch_xla: `pip install torch-xla==2.9.0` (local) or run in the "
+                "Neuron training image; or choose --backend cpu"
+            )
+        if not neuron_available():
+            os.environ.setdefault("PJRT_DEVICE", "CPU")
+        import torch_xla
+
+        if world_size > 1:
+            if not neuron_available():
+                raise BadConfigError(
+                    "multi-process XLA needs Trainium: torch-xla's CPU backend cannot run collectives "
+                    "across processes (pytorch/xla#5005). Locally use --backend cpu under torchrun."
+                )
+            import torch_xla.distributed.xla_backend  # noqa: F401  registers the "xla" process group
+
+            dist.init_process_group("xla", init_method="xla://")
+        return World(backend, rank, world_size, local_rank, torch_xla.device())
+
+    if backend == "cuda":
+        if not torch.cuda.is_available():
+            raise BadConfigError("backend 'cuda' but no CUDA device is visible; choose --backend cpu")
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1 and not dist.is_initialized():
+        try:
+            dist.init_process_group("nccl" if backend == "cuda" else "gloo")
+        except (RuntimeError, ValueError) as exc:  # rendezvous timeouts, refused connections
+            raise RetryableError(f"could not join the process group: {exc}") from exc
+    return World(backend, rank, world_size, local_rank, device)
+
+
+def shutdown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(world: World) -> None:
+    if not world.distributed:
+        return
+    if world.is_xla:
+        import torch_xla.core.xla_model as xm
+
+        xm.rendezvous("barrier")
+    else:
+        dist.barrier()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------- training-loop hooks
+
+def mark_step(world: World) -> None:
+    """Cut the lazy XLA graph here and run it; a no-op on eager backends."""
+    if world.is_xla:
+        import torch_xla
+
+        torch_xla.sync()
+
+
+def prepare_model(world: World, model: torch.nn.Module, *, bf16: bool = False) -> torch.nn.Module:
+    """Move to the device; wrap in DDP on multi-process eager backends."""
+    model = model.to(world.device)
+    if world.is_xla and bf16:
+        model = model.to(torch.bfloat16)
+    if world.distributed and not world.is_xla:
+        device_ids = [world.local_rank] if world.backend == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    return model
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+def optimizer_step(world: World, optimizer: torch.optim.Optimizer) -> None:
+    """One optimizer step; on XLA `xm.optimizer_step` all-reduces gradients across workers first."""
+    if world.is_xla:
+        import torch_xla.core.xla_model as xm
+
+        xm.optimizer_step(optimizer)
+    else:
+        optimizer.step()
+
+
+def device_batches(world: World, batches: Iterable[dict[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
+    """Batches on the device. On XLA, `MpDeviceLoader` uploads the next batches in a background
+    thread while the device runs the current step."""
+    if world.is_xla:
+        import torch_xla.distributed.parallel_loader as pl
+
+        yield from pl.MpDeviceLoader(batches, world.device)
+        return
+    non_blocking = world.backend == "cuda"
+    for batch in batches:
+        yield {k: v.to(world.device, non_blocking=non_blocking) for k, v in batch.items()}
+
+
+def to_cpu(obj: Any) -> Any:
+    """A copy of `obj` with every tensor moved to CPU (plain tensors: a checkpoint loads anywhere)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu")
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
+# ----------------------------------------------------------------------------- collectives (sanity)
+
+def all_reduce_sum(world: World, tensor: torch.Tensor) -> torch.Tensor:
+    if not world.distributed:
+        return tensor
+    if world.is_xla:
+        import torch_xla.core.xla_model as xm
+
+        return xm.all_reduce(xm.REDUCE_SUM, tensor)
+    out = tensor.clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out
+
+
+def all_gather(world: World, tensor: torch.Tensor) -> torch.Tensor:
+    """Concatenate every rank's `tensor` along dim 0."""
+    if not world.distributed:
+        return tensor
+    if world.is_xla:
+        import torch_xla.core.xla_model as xm
+
+        return xm.all_gather(tensor, dim=0)
+    parts = [torch.empty_like(tensor) for _ in range(world.world_size)]
+    dist.all_gather(parts, tensor)
+    return torch.cat(parts, dim=0)
+
+
+def reduce_scatter_sum(world: World, tensor: torch.Tensor) -> torch.Tensor:
+    """Sum `tensor` (dim 0 divisible by world size) over ranks; rank r keeps the r-th chunk."""
+    if not world.distributed:
+        return tensor
+    if world.is_xla:
+        import torch_xla.core.xla_model as xm
+
+        return xm.reduce_scatter(xm.REDUCE_SUM, tensor, scale=1.0, scatter_dim=0, shard_count=world.world_size)
+    chunks = list(tensor.chunk(world.world_size, dim=0))
+    if world.backend == "cpu":
+        # gloo has no reduce_scatter: all_reduce, then keep this rank's chunk.
+        summed = tensor.clone()
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+        return summed.chunk(world.world_size, dim=0)[world.rank].clone()
+    out = torch.empty_like(chunks[0])
+    dist.reduce_scatter(out, [c.contiguous() for c in chunks], op=dist.ReduceOp.SUM)
+    return out
+
+
+# ----------------------------------------------------------------------------- XLA compile accounting
+
+_compile_cache_open = False
+
+def compile_count(world: World) -> int | None:
+    """Graphs compiled so far in this process (torch_xla's `CompileTime` metric); None on eager."""
+    if not world.is_xla:
+        return None
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data("CompileTime")
+    return int(data[0]) if data else 0
+
+
+def compile_cache_misses(world: World) -> int | None:
+    """Graphs this process needed that were not in the persistent cache `initialize_compile_cache`
+    opened (i.e. not traced by the `compile` step); None when no cache is in use."""
+    if not world.is_xla or not _compile_cache_open:
+        return None
+    import torch_xla.debug.metrics as met
+
+    return int(met.counter_value("PersistentCacheMiss") or 0)
+
+
+def initialize_compile_cache(world: World, path: str) -> None:
+    """Persist compiled XLA graphs under `path`, keyed by graph hash, so a later process (training
+    after `compile`) finds them. PJRT's CPU client can serialize but not deserialize executables,
+    so locally the cache is a ledger of traced graphs (a miss = a graph `compile` did not trace);
+    on Neuron the Neuron persistent cache (NEURON_COMPILE_CACHE_URL) holds the compiled NEFFs."""
+    global _compile_cache_open
+    if world.is_xla and not neuron_available():
+        import torch_xla.runtime as xr
+
+        xr.initialize_cache(path, readonly=False)
+        _compile_cache_open = True
+
+
+# ----------------------------------------------------------------------------- versions
+
+def versions() -> dict[str, str | None]:
+    """Versions of the packages that decide numerics and compiled graphs (for reproducibility)."""
+    out: dict[str, str | None] = {}
+    for pkg in ("torch", "torch-xla", "torch-neuronx", "neuronx-cc", "libneuronxla"):
+        try:
+            out[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
