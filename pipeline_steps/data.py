@@ -1,0 +1,721 @@
+"""The data layer: input records -> validated records -> tokenised arrays -> static-shape batches.
+
+Input (what `prepare` reads; JSON Lines `*.jsonl`/`*.ndjson` or Parquet `*.parquet`, a file or a
+directory of shards; directories are read recursively in sorted order, files whose path has a part
+starting with "." or "_" such as `_SUCCESS` are skipped):
+    product: {"id": str, "title": str, "description": str?, "numeric": {name: number}?,
+              "categorical": {name: str}?, "category": str?}
+    pair:    {"query": str, "product_id": str, "weight": number > 0?, "label": str?}
+`category` is the product's class for the auxiliary head; a pair's `label` overrides it. Unknown
+extra fields are ignored (forward compatibility). `prepare --data DIR` reads every entry of DIR
+whose name starts with "products" (e.g. DIR/products/part-*.jsonl) and with "pairs".
+
+Prepared data (what `prepare` writes under RUN_DIR/prepared/ and `load_prepared` reads):
+    tokenizer.json, schema.json, products.parquet, train_pairs.parquet, holdout_pairs.parquet,
+    quarantine.jsonl, prepare.json (written last: its status "ok" marks a complete set).
+
+Batches: `TrainBatches` (training: bucketed, static shapes, sharded per rank, seeded order) and
+`text_batches` (inference: every row once, sorted by length). Both index pre-tokenised numpy
+arrays, so a batch costs a few vectorised gathers and no Python loop over tokens.
+
+This is a library; the step is `python -m pipeline_steps prepare --run-dir DIR --demo`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import unicodedata
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+from .config import DataConfig, from_dict
+from .errors import BadInputError
+from .fileio import atomic_path, atomic_write_json, read_json
+
+if TYPE_CHECKING:  # torch is imported lazily: `prepare` never needs it
+    import torch
+
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+PAD_ID = 0
+IGNORE_INDEX = -100
+"""Class id of rows without a label (torch's cross_entropy default ignore_index)."""
+INPUT_SUFFIXES = (".jsonl", ".ndjson", ".parquet")
+NUMERIC_CLIP = 10.0
+"""Normalised numeric features are clipped to +-this many standard deviations, so one absurd
+price cannot saturate the fusion MLP."""
+PREPARED = "prepared"
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading records
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RawRecord:
+    """One line (JSON Lines) or row (Parquet) of an input file, parsed or with the parse failure."""
+
+    source: str
+    line: int
+    """1-based line number (JSON Lines) or row number (Parquet) in `source`."""
+    value: dict[str, Any] | None
+    raw: str | None = None
+    """The line as text (JSON Lines); None for Parquet rows (rebuilt from `value` when needed)."""
+    reason: str | None = None
+    detail: str | None = None
+
+    def raw_text(self) -> str:
+        if self.raw is not None:
+            return self.raw
+        return json.dumps(self.value, sort_keys=True, default=str)
+
+
+def list_input_files(path: str | Path) -> list[Path]:
+    """The input files at `path` (a file, or a directory read recursively), sorted."""
+    p = Path(path)
+    if not p.exists():
+        raise BadInputError(f"input path {p} does not exist; check the path (on AWS: the upload's "
+                            f"prefix under /fsx/data/incoming/)")
+    if p.is_file():
+        if p.suffix not in INPUT_SUFFIXES:
+            raise BadInputError(f"input file {p} is not JSON Lines or Parquet; expected one of "
+                                f"{', '.join(INPUT_SUFFIXES)}")
+        return [p]
+    files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in INPUT_SUFFIXES
+                   and not any(part.startswith((".", "_")) for part in f.relative_to(p).parts))
+    if not files:
+        raise BadInputError(f"input directory {p} is empty: no {', '.join(INPUT_SUFFIXES)} files in it "
+                            f"(or below); upload the shards first")
+    return files
+
+
+def _iter_jsonl(path: Path) -> Iterator[RawRecord]:
+    source = str(path)
+    # Binary mode and a per-line decode: one bad byte quarantines one line, not the whole file.
+    with open(path, "rb") as fh:
+        for line_no, data in enumerate(fh, start=1):
+            data = data.rstrip(b"\r\n")
+            if line_no == 1 and data.startswith(b"\xef\xbb\xbf"):  # a UTF-8 BOM written by some editors
+                data = data[3:]
+            if not data.strip():
+                continue  # blank lines separate nothing and hold no record
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield RawRecord(source, line_no, None, data.decode("utf-8", "backslashreplace"),
+                                "invalid UTF-8", f"byte {exc.start}: {exc.reason}")
+                continue
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as exc:
+                yield RawRecord(source, line_no, None, text, "malformed JSON", str(exc))
+                continue
+            if not isinstance(value, dict):
+                yield RawRecord(source, line_no, None, text, "wrong type",
+                                f"a record must be a JSON object, got {type(value).__name__}")
+                continue
+            yield RawRecord(source, line_no, value, text)
+
+
+def _iter_parquet(path: Path) -> Iterator[RawRecord]:
+    source = str(path)
+    try:
+        parquet = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise BadInputError(f"cannot read Parquet file {path}: {exc}; re-export or re-upload the shard "
+                            f"(a truncated upload is the usual cause)") from None
+    row = 0
+    for batch in parquet.iter_batches(batch_size=8192):
+        for value in batch.to_pylist():
+            row += 1
+            yield RawRecord(source, row, value)
+
+
+def iter_records(files: Iterable[Path]) -> Iterator[RawRecord]:
+    """Every non-blank line / row of `files`, in order, parsed where possible."""
+    for path in files:
+        yield from (_iter_parquet(path) if path.suffix == ".parquet" else _iter_jsonl(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# Validating records
+# ---------------------------------------------------------------------------------------------
+
+class RecordError(ValueError):
+    """A record that fails validation: `reason` is a stable category (counted in prepare.json),
+    `detail` says exactly what is wrong."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class ProductRecord:
+    id: str
+    title: str
+    description: str | None = None
+    numeric: dict[str, float] = field(default_factory=dict)
+    categorical: dict[str, str] = field(default_factory=dict)
+    category: str | None = None
+    source: str = ""
+    line: int = 0
+
+    @property
+    def text(self) -> str:
+        """The product text the encoder and BM25 see: title, then description."""
+        return self.title if not self.description else f"{self.title} {self.description}"
+
+
+@dataclass(frozen=True)
+class PairRecord:
+    query: str
+    product_id: str
+    weight: float = 1.0
+    label: str | None = None
+    source: str = ""
+    line: int = 0
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _text(record: dict, name: str, max_chars: int, *, required: bool) -> str | None:
+    """A text field, whitespace-collapsed; None when optional and absent/empty."""
+    value = record.get(name)
+    if value is None:
+        if required:
+            raise RecordError("missing field", f"missing field {name!r}")
+        return None
+    if not isinstance(value, str):
+        raise RecordError("wrong type", f"{name} must be a string, got {type(value).__name__}")
+    if len(value) > max_chars:
+        raise RecordError("text too long", f"{name} has {len(value)} characters (max_text_chars is {max_chars})")
+    value = " ".join(value.split())
+    if not value:
+        if required:
+            raise RecordError("empty text", f"{name} is empty")
+        return None
+    return value
+
+
+def _identifier(record: dict, name: str, max_chars: int) -> str:
+    # Ids are matched exactly (pairs -> products), so unlike text they are not normalised.
+    value = record.get(name)
+    if value is None:
+        raise RecordError("missing field", f"missing field {name!r}")
+    if not isinstance(value, str):
+        raise RecordError("wrong type", f"{name} must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise RecordError("empty text", f"{name} is empty")
+    if len(value) > max_chars:
+        raise RecordError("text too long", f"{name} has {len(value)} characters (max_text_chars is {max_chars})")
+    return value
+
+
+def _mapping(record: dict, name: str) -> dict[str, Any]:
+    value = record.get(name)
+    if value is None:
+        return {}
+    if isinstance(value, list):  # a Parquet map column reads back as a list of (key, value) tuples
+        if not all(isinstance(kv, tuple) and len(kv) == 2 for kv in value):
+            raise RecordError("wrong type", f"{name} must be an object of name -> value")
+        value = dict(value)
+    if not isinstance(value, dict):
+        raise RecordError("wrong type", f"{name} must be an object of name -> value, got {type(value).__name__}")
+    for key in value:
+        if not isinstance(key, str) or not key:
+            raise RecordError("wrong type", f"{name} has a non-string or empty feature name {key!r}")
+    return value
+
+
+def _numeric_features(record: dict) -> dict[str, float]:
+    features = {}
+    # A None value (a Parquet struct without that field, or JSON null) is a missing feature.
+    for key, value in _mapping(record, "numeric").items():
+        if value is None:
+            continue
+        if not _is_number(value):
+            raise RecordError("wrong type", f"numeric.{key} must be a number, got {type(value).__name__}")
+        if not math.isfinite(value):
+            raise RecordError("non-finite number", f"numeric.{key} is {value}")
+        features[key] = float(value)
+    return features
+
+
+def _categorical_features(record: dict) -> dict[str, str]:
+    features = {}
+    for key, value in _mapping(record, "categorical").items():
+        if value is None:
+            continue
+        # Integer codes are common in exported catalogs; they are category names, not quantities.
+        if _is_number(value) and float(value).is_integer():
+            value = str(int(value))
+        if not isinstance(value, str):
+            raise RecordError("wrong type", f"categorical.{key} must be a string, got {type(value).__name__}")
+        if value.strip():
+            features[key] = value.strip()
+    return features
+
+
+def validate_product(record: dict, max_chars: int, source: str = "", line: int = 0) -> ProductRecord:
+    """A ProductRecord, or RecordError saying why the record is unusable."""
+    return ProductRecord(
+        id=_identifier(record, "id", max_chars),
+        title=_text(record, "title", max_chars, required=True),
+        description=_text(record, "description", max_chars, required=False),
+        numeric=_numeric_features(record),
+        categorical=_categorical_features(record),
+        category=_text(record, "category", max_chars, required=False),
+        source=source,
+        line=line,
+    )
+
+
+def validate_pair(record: dict, max_chars: int, source: str = "", line: int = 0) -> PairRecord:
+    """A PairRecord, or RecordError saying why the record is unusable."""
+    weight = record.get("weight")
+    if weight is None:
+        weight = 1.0
+    elif not _is_number(weight):
+        raise RecordError("wrong type", f"weight must be a number, got {type(weight).__name__}")
+    elif not math.isfinite(weight):
+        raise RecordError("non-finite number", f"weight is {weight}")
+    elif weight <= 0:
+        raise RecordError("non-positive weight", f"weight must be > 0, got {weight}")
+    return PairRecord(
+        query=_text(record, "query", max_chars, required=True),
+        product_id=_identifier(record, "product_id", max_chars),
+        weight=float(weight),
+        label=_text(record, "label", max_chars, required=False),
+        source=source,
+        line=line,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------------------------
+
+def train_tokenizer(texts: Sequence[str], vocab_size: int) -> Tokenizer:
+    """A BERT-style WordPiece tokenizer trained on `texts`: NFD + lowercase + strip accents,
+    whitespace/punctuation pre-tokenisation, [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4, and every
+    encoding wrapped as [CLS] ... [SEP] (queries and products alike)."""
+    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.NFD(), normalizers.Lowercase(),
+                                                 normalizers.StripAccents()])
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                        show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    ids = [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
+    assert ids == list(range(len(SPECIAL_TOKENS))), f"special token ids {ids}"
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", ids[2]), ("[SEP]", ids[3])])
+    tokenizer.decoder = decoders.WordPiece()
+    return tokenizer
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    path = Path(path)
+    if not path.is_file():
+        raise BadInputError(f"tokenizer {path} not found; run `python -m pipeline_steps prepare` for this run dir")
+    return Tokenizer.from_file(str(path))
+
+
+def encode_texts(tokenizer: Tokenizer, texts: Sequence[str], max_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Encode `texts` as [CLS] ... [SEP], truncated (keeping [SEP]) and padded with 0 to `max_length`.
+    Returns (token_ids int32 [n, max_length], lengths int32 [n] = real tokens incl. specials)."""
+    # A private copy: truncation/padding are tokenizer state and the caller's object stays untouched.
+    tok = Tokenizer.from_str(tokenizer.to_str())
+    tok.enable_truncation(max_length=max_length)
+    tok.enable_padding(length=max_length, pad_id=PAD_ID, pad_token=SPECIAL_TOKENS[PAD_ID])
+    encodings = tok.encode_batch(list(texts))
+    ids = np.array([e.ids for e in encodings], dtype=np.int32).reshape(len(encodings), max_length)
+    mask = np.array([e.attention_mask for e in encodings], dtype=np.int32).reshape(len(encodings), max_length)
+    return ids, mask.sum(axis=1, dtype=np.int32)
+
+
+def normalise_query(text: str) -> str:
+    """The form two queries must share to count as the same query: NFKD, accents dropped,
+    lowercase, single spaces."""
+    decomposed = unicodedata.normalize("NFKD", text)
+    stripped = "".join(c for c in decomposed if not unicodedata.combining(c))
+    return " ".join(stripped.lower().split())
+
+
+def holdout_mask(queries: Sequence[str], fraction: float, seed: int) -> np.ndarray:
+    """bool [n]: True for pairs whose query is held out. Decided by a hash of (seed, normalised
+    query), so every pair of one query lands on the same side, and a query keeps its side in the
+    next data version (incremental runs are validated on queries they never trained on)."""
+    threshold = int(fraction * 2**64)
+    out = np.zeros(len(queries), dtype=bool)
+    for i, q in enumerate(queries):
+        digest = hashlib.blake2b(f"{seed}\x00{normalise_query(q)}".encode("utf-8"), digest_size=8).digest()
+        out[i] = int.from_bytes(digest, "big") < threshold
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Schema: explicit features and classes
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Schema:
+    """Names, normalisation and vocabularies of the explicit features, fixed at the first prepare
+    and reused unchanged by incremental runs (`--init-from`) so a model keeps its input layout."""
+
+    numeric_names: tuple[str, ...] = ()
+    numeric_mean: tuple[float, ...] = ()
+    numeric_std: tuple[float, ...] = ()
+    categorical_names: tuple[str, ...] = ()
+    categorical_vocabs: tuple[tuple[str, ...], ...] = ()
+    """Values of each categorical feature; id = index + 1, 0 = unknown/missing."""
+    class_names: tuple[str, ...] = ()
+    """Classes of the auxiliary head; empty = no head."""
+
+    def __post_init__(self) -> None:
+        if not len(self.numeric_names) == len(self.numeric_mean) == len(self.numeric_std):
+            raise BadInputError("schema: numeric_names, numeric_mean and numeric_std differ in length")
+        if len(self.categorical_names) != len(self.categorical_vocabs):
+            raise BadInputError("schema: categorical_names and categorical_vocabs differ in length")
+
+    @property
+    def cardinalities(self) -> tuple[int, ...]:
+        return tuple(len(v) + 1 for v in self.categorical_vocabs)
+
+    @classmethod
+    def fit(cls, products: Sequence[ProductRecord], pair_labels: Iterable[str | None] = ()) -> Schema:
+        """Learn the schema from validated products (and pair labels, which add classes)."""
+        numeric_names = sorted({k for p in products for k in p.numeric})
+        means, stds = [], []
+        for name in numeric_names:
+            values = np.array([p.numeric[name] for p in products if name in p.numeric], dtype=np.float64)
+            std = float(values.std())
+            means.append(float(values.mean()))
+            stds.append(std if std > 1e-6 else 1.0)  # a constant feature: avoid dividing by zero
+        categorical_names = sorted({k for p in products for k in p.categorical})
+        vocabs = tuple(tuple(sorted({p.categorical[n] for p in products if n in p.categorical}))
+                       for n in categorical_names)
+        classes = {p.category for p in products if p.category} | {lbl for lbl in pair_labels if lbl}
+        return cls(tuple(numeric_names), tuple(means), tuple(stds), tuple(categorical_names), vocabs,
+                   tuple(sorted(classes)))
+
+    def numeric_matrix(self, products: Sequence[ProductRecord]) -> np.ndarray:
+        """float32 [N, F]: z-scored and clipped; a missing feature is the mean (0)."""
+        out = np.zeros((len(products), len(self.numeric_names)), dtype=np.float32)
+        for j, (name, mean, std) in enumerate(zip(self.numeric_names, self.numeric_mean, self.numeric_std)):
+            col = np.array([p.numeric.get(name, mean) for p in products], dtype=np.float64)
+            out[:, j] = np.clip((col - mean) / std, -NUMERIC_CLIP, NUMERIC_CLIP)
+        return out
+
+    def categorical_matrix(self, products: Sequence[ProductRecord]) -> np.ndarray:
+        """int64 [N, C]: vocabulary ids; 0 for a missing or unseen value."""
+        out = np.zeros((len(products), len(self.categorical_names)), dtype=np.int64)
+        for j, (name, vocab) in enumerate(zip(self.categorical_names, self.categorical_vocabs)):
+            index = {v: i + 1 for i, v in enumerate(vocab)}
+            out[:, j] = [index.get(p.categorical.get(name, ""), 0) for p in products]
+        return out
+
+    def class_ids(self, labels: Sequence[str | None]) -> np.ndarray:
+        """int64 [n]: class index, IGNORE_INDEX for no label or a class the schema does not know."""
+        index = {c: i for i, c in enumerate(self.class_names)}
+        return np.array([index.get(lbl, IGNORE_INDEX) if lbl else IGNORE_INDEX for lbl in labels], dtype=np.int64)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"numeric_names": list(self.numeric_names), "numeric_mean": list(self.numeric_mean),
+                "numeric_std": list(self.numeric_std), "categorical_names": list(self.categorical_names),
+                "categorical_vocabs": [list(v) for v in self.categorical_vocabs],
+                "class_names": list(self.class_names)}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Schema:
+        try:
+            return cls(numeric_names=tuple(values["numeric_names"]),
+                       numeric_mean=tuple(float(x) for x in values["numeric_mean"]),
+                       numeric_std=tuple(float(x) for x in values["numeric_std"]),
+                       categorical_names=tuple(values["categorical_names"]),
+                       categorical_vocabs=tuple(tuple(v) for v in values["categorical_vocabs"]),
+                       class_names=tuple(values["class_names"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise BadInputError(f"invalid schema ({exc!r}); rerun prepare to rebuild it") from None
+
+    def save(self, path: str | Path) -> None:
+        atomic_write_json(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Schema:
+        if not Path(path).is_file():
+            raise BadInputError(f"schema {path} not found; run `python -m pipeline_steps prepare` for this run dir")
+        return cls.from_dict(read_json(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# Prepared arrays and their Parquet files
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Products:
+    ids: list[str]
+    titles: list[str]
+    texts: list[str]
+    """title + " " + description: what BM25 indexes and the encoder reads."""
+    token_ids: np.ndarray  # int32 [N, max_bucket], 0-padded
+    lengths: np.ndarray  # int32 [N]
+    numeric: np.ndarray  # float32 [N, F], normalised
+    categorical: np.ndarray  # int64 [N, C], 0 = unknown
+    class_id: np.ndarray  # int64 [N], IGNORE_INDEX = none
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+@dataclass
+class Pairs:
+    queries: list[str]
+    token_ids: np.ndarray  # int32 [M, query_length], 0-padded
+    lengths: np.ndarray  # int32 [M]
+    product_index: np.ndarray  # int64 [M], row in Products
+    weight: np.ndarray  # float32 [M]
+    class_id: np.ndarray  # int64 [M], IGNORE_INDEX = none
+
+    def __len__(self) -> int:
+        return len(self.queries)
+
+
+@dataclass
+class PreparedData:
+    products: Products
+    train: Pairs
+    holdout: Pairs
+    schema: Schema
+    tokenizer_path: Path
+    data_cfg: DataConfig
+
+
+def _list_column(matrix: np.ndarray) -> pa.Array:
+    """A [n, w] array as a list<...> column without a Python loop (uniform offsets)."""
+    n, width = matrix.shape
+    offsets = pa.array(np.arange(0, (n + 1) * width, width, dtype=np.int32) if n else np.zeros(1, np.int32))
+    return pa.ListArray.from_arrays(offsets, pa.array(np.ascontiguousarray(matrix).reshape(-1)))
+
+
+def _matrix(table: pa.Table, name: str, width: int, dtype: Any, path: Path) -> np.ndarray:
+    column = table.column(name).combine_chunks()
+    values = column.flatten().to_numpy(zero_copy_only=False)
+    if values.size != len(column) * width:
+        raise BadInputError(f"{path}: column {name} is not [{len(column)}, {width}]; the file does not "
+                            f"match its prepare.json; rerun prepare")
+    return values.astype(dtype, copy=False).reshape(len(column), width)
+
+
+def save_products(path: str | Path, products: Products) -> None:
+    table = pa.table({
+        "id": pa.array(products.ids, pa.string()),
+        "title": pa.array(products.titles, pa.string()),
+        "text": pa.array(products.texts, pa.string()),
+        "token_ids": _list_column(products.token_ids.astype(np.int32)),
+        "length": pa.array(products.lengths.astype(np.int32)),
+        "numeric": _list_column(products.numeric.astype(np.float32)),
+        "categorical": _list_column(products.categorical.astype(np.int64)),
+        "class_id": pa.array(products.class_id.astype(np.int64)),
+    })
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp)
+
+
+def save_pairs(path: str | Path, pairs: Pairs, product_ids: Sequence[str]) -> None:
+    table = pa.table({
+        "query": pa.array(pairs.queries, pa.string()),
+        "product_id": pa.array([product_ids[i] for i in pairs.product_index], pa.string()),
+        "product_index": pa.array(pairs.product_index.astype(np.int64)),
+        "token_ids": _list_column(pairs.token_ids.astype(np.int32)),
+        "length": pa.array(pairs.lengths.astype(np.int32)),
+        "weight": pa.array(pairs.weight.astype(np.float32)),
+        "class_id": pa.array(pairs.class_id.astype(np.int64)),
+    })
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp)
+
+
+def _read_table(path: Path) -> pa.Table:
+    if not path.is_file():
+        raise BadInputError(f"{path} is missing; rerun `python -m pipeline_steps prepare` for this run dir")
+    return pq.read_table(path)
+
+
+def read_products(path: str | Path, data_cfg: DataConfig, schema: Schema) -> Products:
+    path = Path(path)
+    t = _read_table(path)
+    return Products(
+        ids=t.column("id").to_pylist(), titles=t.column("title").to_pylist(), texts=t.column("text").to_pylist(),
+        token_ids=_matrix(t, "token_ids", max(data_cfg.length_buckets), np.int32, path),
+        lengths=t.column("length").to_numpy().astype(np.int32),
+        numeric=_matrix(t, "numeric", len(schema.numeric_names), np.float32, path),
+        categorical=_matrix(t, "categorical", len(schema.categorical_names), np.int64, path),
+        class_id=t.column("class_id").to_numpy().astype(np.int64),
+    )
+
+
+def read_pairs(path: str | Path, data_cfg: DataConfig) -> Pairs:
+    path = Path(path)
+    t = _read_table(path)
+    return Pairs(
+        queries=t.column("query").to_pylist(),
+        token_ids=_matrix(t, "token_ids", data_cfg.query_length, np.int32, path),
+        lengths=t.column("length").to_numpy().astype(np.int32),
+        product_index=t.column("product_index").to_numpy().astype(np.int64),
+        weight=t.column("weight").to_numpy().astype(np.float32),
+        class_id=t.column("class_id").to_numpy().astype(np.int64),
+    )
+
+
+def load_prepared(run_dir: str | Path) -> PreparedData:
+    """Everything `prepare` wrote for `run_dir`; BadInputError with the command to run if it hasn't."""
+    prepared = Path(run_dir) / PREPARED
+    report_path = prepared / "prepare.json"
+    if not report_path.is_file():
+        raise BadInputError(f"{run_dir} has no prepared data ({report_path} missing); run "
+                            f"`python -m pipeline_steps prepare --run-dir {run_dir} --demo` (or --data DIR) first")
+    report = read_json(report_path)
+    if report.get("status") != "ok":
+        raise BadInputError(f"the last prepare of {run_dir} did not succeed ({report.get('error', 'status ' + str(report.get('status')))}); "
+                            f"fix the input (see {prepared / 'quarantine.jsonl'}) and rerun prepare")
+    data_cfg = from_dict(DataConfig, report["data_config"])
+    schema = Schema.load(prepared / "schema.json")
+    products = read_products(prepared / "products.parquet", data_cfg, schema)
+    return PreparedData(
+        products=products,
+        train=read_pairs(prepared / "train_pairs.parquet", data_cfg),
+        holdout=read_pairs(prepared / "holdout_pairs.parquet", data_cfg),
+        schema=schema,
+        tokenizer_path=prepared / "tokenizer.json",
+        data_cfg=data_cfg,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches
+# ---------------------------------------------------------------------------------------------
+
+def bucket_index(lengths: np.ndarray, buckets: Sequence[int]) -> np.ndarray:
+    """int64 [n]: index of the smallest bucket >= each length (the largest when none is)."""
+    return np.minimum(np.searchsorted(np.asarray(buckets), lengths, side="left"), len(buckets) - 1).astype(np.int64)
+
+
+def _pad_rows(rows: np.ndarray, batch_size: int) -> np.ndarray:
+    """Row indices padded with -1 to a multiple of batch_size, as [num_batches, batch_size]."""
+    padded = np.full(-(-len(rows) // batch_size) * batch_size, -1, dtype=np.int64)
+    padded[:len(rows)] = rows
+    return padded.reshape(-1, batch_size)
+
+
+def _gather(token_ids: np.ndarray, lengths: np.ndarray, rows: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """ids, mask int64 [B, width] for `rows` (-1 = padding row: all 0). No per-token Python loop."""
+    real = rows >= 0
+    safe = np.where(real, rows, 0)
+    lens = np.where(real, np.minimum(lengths[safe], width), 0)
+    ids = np.zeros((len(rows), width), dtype=np.int64)
+    cols = min(width, token_ids.shape[1])
+    ids[:, :cols] = token_ids[safe, :cols]
+    mask = (np.arange(width)[None, :] < lens[:, None]).astype(np.int64)
+    return ids * mask, mask
+
+
+class TrainBatches:
+    """Static-shape training batches of the train pairs, sharded per rank, seeded per epoch.
+
+    Each pair goes to the smallest length bucket that holds its product's text; within a bucket
+    pairs are shuffled and cut into batches of exactly `batch_size` rows (the last one padded with
+    masked rows, never dropped). The batches of all buckets are then shuffled together, and rank r
+    takes every world_size-th one; when the count does not divide, fully-masked batches are
+    appended so every rank steps the same number of times (a rank that stops early hangs the
+    collective of the others).
+    """
+
+    def __init__(self, data: PreparedData, batch_size: int, *, rank: int, world_size: int, seed: int):
+        if batch_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"bad batch_size {batch_size} / rank {rank} / world_size {world_size}")
+        if len(data.train) == 0:
+            raise BadInputError("no training pairs; check the input and prepare.json")
+        self.data = data
+        self.batch_size = batch_size
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.buckets = tuple(data.data_cfg.length_buckets)
+        doc_lengths = data.products.lengths[data.train.product_index]
+        which = bucket_index(doc_lengths, self.buckets)
+        self._members = [np.flatnonzero(which == b) for b in range(len(self.buckets))]
+        self._total = sum(-(-len(m) // batch_size) for m in self._members)
+        # Padding batches reuse a bucket that real batches use, so they add no XLA graph.
+        self._padding_bucket = next(b for b, m in enumerate(self._members) if len(m))
+
+    def num_batches(self) -> int:
+        """Batches per rank per epoch; identical on every rank and in every epoch."""
+        return -(-self._total // self.world_size)
+
+    def _schedule(self, epoch: int) -> list[tuple[int, np.ndarray]]:
+        """This rank's (bucket, row indices [B]) for `epoch`; the same on every call."""
+        rng = np.random.default_rng([self.seed, epoch])
+        batches: list[tuple[int, np.ndarray]] = []
+        for b, members in enumerate(self._members):
+            batches.extend((b, rows) for rows in _pad_rows(rng.permutation(members), self.batch_size))
+        batches = [batches[i] for i in rng.permutation(len(batches))]
+        filler = np.full(self.batch_size, -1, dtype=np.int64)
+        batches += [(self._padding_bucket, filler)] * (self.num_batches() * self.world_size - len(batches))
+        return batches[self.rank::self.world_size]
+
+    def epoch(self, epoch: int, start: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+        """The batches of `epoch` for this rank, skipping the first `start` (resume mid-epoch)."""
+        for bucket, rows in self._schedule(epoch)[start:]:
+            yield self._batch(bucket, rows)
+
+    def first_batch_per_bucket(self) -> list[dict[str, torch.Tensor]]:
+        """One real batch per bucket that has pairs: every shape training will use (compile trial)."""
+        return [self._batch(b, _pad_rows(m[:self.batch_size], self.batch_size)[0])
+                for b, m in enumerate(self._members) if len(m)]
+
+    def _batch(self, bucket: int, rows: np.ndarray) -> dict[str, torch.Tensor]:
+        import torch
+
+        train, products = self.data.train, self.data.products
+        real = rows >= 0
+        safe = np.where(real, rows, 0)
+        product = np.where(real, train.product_index[safe], -1)
+        product_safe = np.maximum(product, 0)
+        query_ids, query_mask = _gather(train.token_ids, train.lengths, rows, train.token_ids.shape[1])
+        doc_ids, doc_mask = _gather(products.token_ids, products.lengths, product, self.buckets[bucket])
+        arrays = {
+            "query_ids": query_ids, "query_mask": query_mask, "doc_ids": doc_ids, "doc_mask": doc_mask,
+            "numeric": products.numeric[product_safe] * real[:, None].astype(np.float32),
+            "categorical": products.categorical[product_safe] * real[:, None],
+            "row_mask": real.astype(np.float32),
+            "weight": np.where(real, train.weight[safe], 0.0).astype(np.float32),
+            "class_id": np.where(real, train.class_id[safe], IGNORE_INDEX).astype(np.int64),
+            "product_index": product.astype(np.int64),
+        }
+        return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
+
+
+def text_batches(token_ids: np.ndarray, lengths: np.ndarray, batch_size: int,
+                 buckets: Sequence[int]) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
+    """Inference batches (validate, embed): (indices int64 [B], ids int64 [B, L], mask int64 [B, L],
+    n_real). Rows are sorted by length and cut per bucket into exactly `batch_size` rows; the last
+    batch of a bucket is padded with masked rows whose index is -1. Every input index appears once."""
+    buckets = tuple(sorted(buckets))
+    order = np.argsort(lengths, kind="stable")
+    which = bucket_index(lengths[order], buckets)
+    for b, width in enumerate(buckets):
+        members = order[which == b]
+        for rows in _pad_rows(members, batch_size):
+            ids, mask = _gather(token_ids, lengths, rows, width)
+            yield rows, ids, mask, int((rows >= 0).sum())

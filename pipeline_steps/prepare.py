@@ -1,0 +1,384 @@
+"""Step `prepare`: validate the input records, train (or reuse) the tokenizer, split a holdout by
+query, and write pre-tokenised static-shape inputs for training, validation and inference.
+
+Reads: product and pair records (JSON Lines / Parquet; files or directories of shards; schema in
+`pipeline_steps.data`), from `--data DIR` (DIR/products*/ + DIR/pairs*), `--products PATH --pairs
+PATH`, or `--demo` (the bundled demo data, generated into RUN_DIR/input/ first).
+With `--init-from RUN_DIR_OR_CHECKPOINT`: the previous run's tokenizer and schema, reused unchanged.
+
+Writes RUN_DIR/prepared/ (each file atomically; prepare.json last, its status "ok" marks a
+complete set, and it is removed first so a crash never leaves an old "ok" beside new files):
+    tokenizer.json, schema.json, products.parquet, train_pairs.parquet, holdout_pairs.parquet,
+    quarantine.jsonl  {"kind", "source", "line", "reason", "detail", "record"} per bad record,
+    prepare.json      counts per reason, fractions, input checksums, seed, data config.
+
+Exit codes: 0 ok; 65 (bad input) when the input is missing/empty or more than --max-bad-fraction
+of the products or of the pairs is quarantined; 78 for a bad flag value.
+
+Local:    python -m pipeline_steps prepare --run-dir runs/demo --demo --preset tiny
+AWS:      python -m pipeline_steps prepare --run-dir /fsx/runs/RUN --data /fsx/data/incoming/DS/VERSION
+          --preset base [--init-from /fsx/runs/PREVIOUS_RUN]
+Single process on purpose (no torchrun): tokenisation runs in Rust threads, and the outputs are
+read by every rank of the later steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import data as D
+from .config import DataConfig, get_preset, to_dict
+from .errors import BadInputError
+from .fileio import atomic_write_bytes, atomic_write_json, sha256_file
+
+log = logging.getLogger("pipeline_steps.prepare")
+
+RAW_RECORD_CHARS = 1000
+"""A quarantined record is kept up to this many characters: enough to see the problem, bounded
+when a 'record' is a 50 MB line."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Quarantine
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Quarantine:
+    entries: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    reasons: dict[str, Counter] = dataclasses.field(default_factory=lambda: {"products": Counter(), "pairs": Counter()})
+
+    def add(self, kind: str, source: str, line: int, reason: str, detail: str, raw: str) -> None:
+        self.reasons[kind][reason] += 1
+        self.entries.append({"kind": kind, "source": source, "line": line, "reason": reason, "detail": detail,
+                             "record": raw[:RAW_RECORD_CHARS]})
+
+    def count(self, kind: str) -> int:
+        return sum(self.reasons[kind].values())
+
+    def write(self, path: Path) -> None:
+        text = "".join(json.dumps(e, sort_keys=True) + "\n" for e in self.entries)
+        atomic_write_bytes(path, text.encode("ascii"))  # json.dumps escapes non-ASCII
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+# ---------------------------------------------------------------------------------------------
+
+def _data_dir_inputs(data_dir: Path) -> tuple[list[Path], list[Path]]:
+    if not data_dir.exists():
+        raise BadInputError(f"--data {data_dir} does not exist; check the path (on AWS: "
+                            f"/fsx/data/incoming/<dataset>/<version>)")
+    if not data_dir.is_dir():
+        raise BadInputError(f"--data expects a directory holding products/ and pairs/; for single files "
+                            f"use --products FILE --pairs FILE")
+    entries = sorted(p for p in data_dir.iterdir() if not p.name.startswith((".", "_")))
+    found = {}
+    for kind in ("products", "pairs"):
+        paths = [p for p in entries if p.name.startswith(kind)]
+        if not paths:
+            raise BadInputError(f"{data_dir} has no {kind} input; expected {data_dir}/{kind}/part-*.jsonl|parquet "
+                                f"(or a {kind}*.jsonl / {kind}*.parquet file)")
+        found[kind] = [f for p in paths for f in D.list_input_files(p)]
+    return found["products"], found["pairs"]
+
+
+def resolve_inputs(args: argparse.Namespace, run_dir: Path, seed: int) -> tuple[list[Path], list[Path]]:
+    if args.demo:
+        from .demo_data import write_demo
+
+        out = write_demo(run_dir / "input", args.preset, seed)
+        log.info("wrote the %s demo data to %s", args.preset, out)
+        return _data_dir_inputs(out)
+    if args.data is not None:
+        return _data_dir_inputs(args.data)
+    return D.list_input_files(args.products), D.list_input_files(args.pairs)
+
+
+def _input_checksums(files: Sequence[Path]) -> list[dict[str, Any]]:
+    return [{"path": str(f), "bytes": f.stat().st_size, "sha256": sha256_file(f)} for f in files]
+
+
+def read_products(files: Sequence[Path], cfg: DataConfig, quarantine: Quarantine) -> tuple[list[D.ProductRecord], int]:
+    """Valid products (first of each id) and the number of records read."""
+    products: list[D.ProductRecord] = []
+    first_seen: dict[str, str] = {}
+    num_read = 0
+    for raw in D.iter_records(files):
+        num_read += 1
+        if raw.reason:
+            quarantine.add("products", raw.source, raw.line, raw.reason, raw.detail or "", raw.raw_text())
+            continue
+        try:
+            product = D.validate_product(raw.value, cfg.max_text_chars, raw.source, raw.line)
+        except D.RecordError as exc:
+            quarantine.add("products", raw.source, raw.line, exc.reason, exc.detail, raw.raw_text())
+            continue
+        if product.id in first_seen:
+            quarantine.add("products", raw.source, raw.line, "duplicate product id",
+                           f"id {product.id!r} already defined at {first_seen[product.id]}", raw.raw_text())
+            continue
+        first_seen[product.id] = f"{raw.source}:{raw.line}"
+        products.append(product)
+    return products, num_read
+
+
+def read_pairs(files: Sequence[Path], cfg: DataConfig, product_ids: set[str],
+               quarantine: Quarantine) -> tuple[list[D.PairRecord], int]:
+    """Valid pairs whose product exists, and the number of records read."""
+    pairs: list[D.PairRecord] = []
+    num_read = 0
+    for raw in D.iter_records(files):
+        num_read += 1
+        if raw.reason:
+            quarantine.add("pairs", raw.source, raw.line, raw.reason, raw.detail or "", raw.raw_text())
+            continue
+        try:
+            pair = D.validate_pair(raw.value, cfg.max_text_chars, raw.source, raw.line)
+        except D.RecordError as exc:
+            quarantine.add("pairs", raw.source, raw.line, exc.reason, exc.detail, raw.raw_text())
+            continue
+        if pair.product_id not in product_ids:
+            quarantine.add("pairs", raw.source, raw.line, "unknown product_id",
+                           f"product {pair.product_id!r} is not in the catalog (or was quarantined)", raw.raw_text())
+            continue
+        pairs.append(pair)
+    return pairs, num_read
+
+
+def _counts(kind: str, num_read: int, quarantine: Quarantine) -> dict[str, Any]:
+    bad = quarantine.count(kind)
+    return {"read": num_read, "good": num_read - bad, "quarantined": bad,
+            "fraction_bad": bad / num_read if num_read else 0.0, "reasons": dict(sorted(quarantine.reasons[kind].items()))}
+
+
+def check_threshold(counts: dict[str, dict[str, Any]], max_bad_fraction: float, quarantine_path: Path) -> None:
+    for kind, c in counts.items():
+        if c["read"] == 0:
+            raise BadInputError(f"the {kind} input holds no records (only blank lines or empty files); "
+                                f"upload non-empty {kind} shards")
+        if c["fraction_bad"] > max_bad_fraction:
+            reasons = ", ".join(f"{r}: {n}" for r, n in c["reasons"].items())
+            raise BadInputError(
+                f"{c['quarantined']} of {c['read']} {kind} records are bad ({c['fraction_bad']:.2%} > "
+                f"max_bad_fraction {max_bad_fraction:.2%}; {reasons}); see {quarantine_path} for each record, "
+                f"its source line and reason; fix the input, or raise the threshold with --max-bad-fraction")
+        if c["good"] == 0:
+            raise BadInputError(f"no valid {kind} records; see {quarantine_path}")
+
+
+# ---------------------------------------------------------------------------------------------
+# --init-from: the previous tokenizer and schema
+# ---------------------------------------------------------------------------------------------
+
+def _load_checkpoint_state(path: Path) -> dict[str, Any]:
+    # checkpoint.load verifies the manifest checksum; fall back to a plain read where it is absent.
+    if importlib.util.find_spec("pipeline_steps.checkpoint") is not None:
+        from . import checkpoint
+
+        if hasattr(checkpoint, "load"):
+            return checkpoint.load(path)
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # any unpickling/zip error means the same thing to the user
+        raise BadInputError(f"cannot read checkpoint {path}: {exc}; pass another checkpoint or the "
+                            f"previous run dir to --init-from") from None
+
+
+def load_previous(init_from: Path) -> tuple[bytes, D.Schema, str]:
+    """(tokenizer.json bytes, schema, description) of the run or checkpoint to continue from."""
+    if not init_from.exists():
+        raise BadInputError(f"--init-from {init_from} does not exist; pass the previous run dir or a checkpoint .pt")
+    if init_from.is_dir():
+        prepared = init_from / D.PREPARED
+        tok_path, schema_path = prepared / "tokenizer.json", prepared / "schema.json"
+        if not (tok_path.is_file() and schema_path.is_file()):
+            raise BadInputError(f"--init-from {init_from} has no {D.PREPARED}/tokenizer.json + schema.json; pass "
+                                f"the previous run dir (the one its prepare wrote) or one of its checkpoints (.pt)")
+        return tok_path.read_bytes(), D.Schema.load(schema_path), str(prepared)
+    state = _load_checkpoint_state(init_from)
+    try:
+        tok_json, tok_sha, schema = state["tokenizer"]["json"], state["tokenizer"].get("sha256"), state["schema"]
+    except (KeyError, TypeError):
+        raise BadInputError(f"checkpoint {init_from} stores no tokenizer/schema; pass the run dir that "
+                            f"produced it to --init-from instead") from None
+    data = tok_json.encode("utf-8")
+    if tok_sha and hashlib.sha256(data).hexdigest() != tok_sha:
+        raise BadInputError(f"the tokenizer stored in {init_from} fails its sha256 check; the checkpoint is "
+                            f"damaged: pass another checkpoint or the previous run dir")
+    return data, D.Schema.from_dict(schema), str(init_from)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building the outputs
+# ---------------------------------------------------------------------------------------------
+
+def build_products(records: Sequence[D.ProductRecord], tokenizer, schema: D.Schema, cfg: DataConfig) -> D.Products:
+    texts = [p.text for p in records]
+    token_ids, lengths = D.encode_texts(tokenizer, texts, max(cfg.length_buckets))
+    return D.Products(ids=[p.id for p in records], titles=[p.title for p in records], texts=texts,
+                      token_ids=token_ids, lengths=lengths, numeric=schema.numeric_matrix(records),
+                      categorical=schema.categorical_matrix(records),
+                      class_id=schema.class_ids([p.category for p in records]))
+
+
+def build_pairs(records: Sequence[D.PairRecord], tokenizer, schema: D.Schema, cfg: DataConfig,
+                product_row: dict[str, int], product_class: np.ndarray) -> D.Pairs:
+    queries = [p.query for p in records]
+    token_ids, lengths = D.encode_texts(tokenizer, queries, cfg.query_length)
+    product_index = np.array([product_row[p.product_id] for p in records], dtype=np.int64)
+    # A pair's own label wins; otherwise the class is its product's category.
+    labels = schema.class_ids([p.label for p in records])
+    inherited = product_class[product_index] if len(records) else np.zeros(0, np.int64)
+    class_id = np.where(np.array([p.label is not None for p in records], dtype=bool), labels, inherited)
+    return D.Pairs(queries=queries, token_ids=token_ids, lengths=lengths, product_index=product_index,
+                   weight=np.array([p.weight for p in records], dtype=np.float32), class_id=class_id.astype(np.int64))
+
+
+def schema_coverage(schema: D.Schema, products: Sequence[D.ProductRecord], built: D.Products) -> dict[str, Any]:
+    """How well a reused schema covers the new data: features it ignores, values it maps to 0."""
+    seen_numeric = {k for p in products for k in p.numeric}
+    seen_categorical = {k for p in products for k in p.categorical}
+    unknown_values = {name: int(((built.categorical[:, j] == 0)
+                                 & np.array([name in p.categorical for p in products], dtype=bool)).sum())
+                      for j, name in enumerate(schema.categorical_names)}
+    return {"ignored_numeric_features": sorted(seen_numeric - set(schema.numeric_names)),
+            "ignored_categorical_features": sorted(seen_categorical - set(schema.categorical_names)),
+            "unknown_categorical_values": unknown_values,
+            "products_without_class": int((built.class_id == D.IGNORE_INDEX).sum())}
+
+
+def _sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# The step
+# ---------------------------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m pipeline_steps prepare",
+                                     description="Validate records, train the tokenizer, write static-shape inputs.")
+    parser.add_argument("--run-dir", type=Path, required=True)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--data", type=Path, help="directory holding products*/ and pairs* (the upload layout)")
+    source.add_argument("--products", type=Path, help="products file or directory of shards (with --pairs)")
+    source.add_argument("--demo", action="store_true", help="generate the bundled demo data into RUN_DIR/input/")
+    parser.add_argument("--pairs", type=Path, help="pairs file or directory of shards (with --products)")
+    parser.add_argument("--preset", default="tiny", help="sets buckets, query length, vocabulary size, demo size")
+    parser.add_argument("--init-from", type=Path, help="previous run dir or checkpoint .pt: reuse its tokenizer + schema")
+    parser.add_argument("--max-bad-fraction", type=float, help="override the preset's quarantine threshold")
+    parser.add_argument("--seed", type=int, default=0, help="holdout split (and demo data) seed")
+    args = parser.parse_args(argv)
+    if (args.products is None) != (args.pairs is None):
+        parser.error("--products and --pairs go together (and not with --data/--demo)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.time()
+    preset = get_preset(args.preset)
+    cfg = preset.data
+    if args.max_bad_fraction is not None:
+        cfg = dataclasses.replace(cfg, max_bad_fraction=args.max_bad_fraction)  # validated (BadConfigError)
+    run_dir: Path = args.run_dir
+    out = run_dir / D.PREPARED
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "prepare.json").unlink(missing_ok=True)  # invalidate first: a crash below leaves no "ok" marker
+
+    # --- read and validate --------------------------------------------------------------------
+    product_files, pair_files = resolve_inputs(args, run_dir, args.seed)
+    quarantine = Quarantine()
+    product_records, num_products_read = read_products(product_files, cfg, quarantine)
+    pair_records, num_pairs_read = read_pairs(pair_files, cfg, {p.id for p in product_records}, quarantine)
+    quarantine_path = out / "quarantine.jsonl"
+    quarantine.write(quarantine_path)
+    counts = {"products": _counts("products", num_products_read, quarantine),
+              "pairs": _counts("pairs", num_pairs_read, quarantine)}
+    report: dict[str, Any] = {
+        "status": "failed", "preset": preset.name, "seed": args.seed, "data_config": to_dict(cfg),
+        "max_bad_fraction": cfg.max_bad_fraction, "quarantine_file": str(quarantine_path), "counts": counts,
+        "inputs": {"products": _input_checksums(product_files), "pairs": _input_checksums(pair_files)},
+        "init_from": str(args.init_from) if args.init_from else None,
+    }
+    report["input_sha256"] = _sha256_bytes(json.dumps(report["inputs"], sort_keys=True).encode())
+    for kind, c in counts.items():
+        log.info("%s: read %d, good %d, quarantined %d %s", kind, c["read"], c["good"], c["quarantined"], c["reasons"])
+    try:
+        check_threshold(counts, cfg.max_bad_fraction, quarantine_path)
+    except BadInputError as exc:
+        report["error"] = str(exc)
+        atomic_write_json(out / "prepare.json", report)
+        raise
+
+    # --- tokenizer and schema: reused unchanged for incremental runs, else learned ---------------
+    is_holdout = D.holdout_mask([p.query for p in pair_records], cfg.holdout_fraction, args.seed)
+    if args.init_from:
+        tokenizer_bytes, schema, origin = load_previous(args.init_from)
+        tokenizer = D.Tokenizer.from_str(tokenizer_bytes.decode("utf-8"))
+        log.info("reusing tokenizer and schema from %s", origin)
+    else:
+        texts = [p.text for p in product_records] + [p.query for p, h in zip(pair_records, is_holdout) if not h]
+        tokenizer = D.train_tokenizer(texts, cfg.vocab_size)
+        tokenizer_bytes = tokenizer.to_str(pretty=True).encode("utf-8")
+        schema = D.Schema.fit(product_records, (p.label for p in pair_records))
+        origin = "trained"
+    if tokenizer.get_vocab_size() > cfg.vocab_size:
+        raise BadInputError(f"the reused tokenizer has {tokenizer.get_vocab_size()} tokens but preset {preset.name} "
+                            f"embeds only {cfg.vocab_size}; use the previous run's preset")
+
+    # --- encode and split --------------------------------------------------------------------
+    products = build_products(product_records, tokenizer, schema, cfg)
+    product_row = {pid: i for i, pid in enumerate(products.ids)}
+    train_records = [p for p, h in zip(pair_records, is_holdout) if not h]
+    holdout_records = [p for p, h in zip(pair_records, is_holdout) if h]
+    if not train_records:
+        raise BadInputError("every query fell into the holdout; provide more distinct queries")
+    if not holdout_records:
+        log.warning("the holdout is empty (too few distinct queries); validation will have nothing to score")
+    train = build_pairs(train_records, tokenizer, schema, cfg, product_row, products.class_id)
+    holdout = build_pairs(holdout_records, tokenizer, schema, cfg, product_row, products.class_id)
+
+    # --- write (prepare.json last) -------------------------------------------------------------
+    atomic_write_bytes(out / "tokenizer.json", tokenizer_bytes)
+    schema.save(out / "schema.json")
+    D.save_products(out / "products.parquet", products)
+    D.save_pairs(out / "train_pairs.parquet", train, products.ids)
+    D.save_pairs(out / "holdout_pairs.parquet", holdout, products.ids)
+    buckets = D.bucket_index(products.lengths[train.product_index], cfg.length_buckets)
+    report.update({
+        "status": "ok",
+        "tokenizer": {"source": origin, "sha256": _sha256_bytes(tokenizer_bytes), "vocab_size": tokenizer.get_vocab_size()},
+        "schema": {"numeric": len(schema.numeric_names), "categorical": list(schema.cardinalities),
+                   "classes": len(schema.class_names)},
+        "schema_coverage": schema_coverage(schema, product_records, products),
+        "split": {"train_pairs": len(train), "holdout_pairs": len(holdout),
+                  "train_queries": len({D.normalise_query(q) for q in train.queries}),
+                  "holdout_queries": len({D.normalise_query(q) for q in holdout.queries}),
+                  "holdout_fraction": cfg.holdout_fraction},
+        # Texts at the cap were (most likely) truncated: a high share says the buckets are too short.
+        "at_max_length": {"products": int((products.lengths >= max(cfg.length_buckets)).sum()),
+                      "queries": int((np.concatenate([train.lengths, holdout.lengths]) >= cfg.query_length).sum())},
+        "train_pairs_per_bucket": {str(b): int((buckets == i).sum()) for i, b in enumerate(cfg.length_buckets)},
+        "outputs": {name: sha256_file(out / name) for name in ("tokenizer.json", "schema.json", "products.parquet",
+                                                               "train_pairs.parquet", "holdout_pairs.parquet")},
+        "elapsed_s": round(time.time() - started, 3),
+    })
+    atomic_write_json(out / "prepare.json", report)
+    log.info("prepared %d products, %d train / %d holdout pairs in %s (%.1fs)", len(products), len(train),
+             len(holdout), out, report["elapsed_s"])
+    return 0
