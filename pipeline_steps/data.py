@@ -646,8 +646,6 @@ class TrainBatches:
     def __init__(self, data: PreparedData, batch_size: int, *, rank: int, world_size: int, seed: int):
         if batch_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"bad batch_size {batch_size} / rank {rank} / world_size {world_size}")
-        if len(data.train) == 0:
-            raise BadInputError("no training pairs; check the input and prepare.json")
         self.data = data
         self.batch_size = batch_size
         self.rank, self.world_size, self.seed = rank, world_size, seed
@@ -657,7 +655,8 @@ class TrainBatches:
         self._members = [np.flatnonzero(which == b) for b in range(len(self.buckets))]
         self._total = sum(-(-len(m) // batch_size) for m in self._members)
         # Padding batches reuse a bucket that real batches use, so they add no XLA graph.
-        self._padding_bucket = next(b for b, m in enumerate(self._members) if len(m))
+        # No pairs at all (an empty holdout) means zero batches, not an error.
+        self._padding_bucket = next((b for b, m in enumerate(self._members) if len(m)), 0)
 
     def num_batches(self) -> int:
         """Batches per rank per epoch; identical on every rank and in every epoch."""

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import importlib.util
 import json
 import logging
 import time
@@ -182,44 +181,31 @@ def check_threshold(counts: dict[str, dict[str, Any]], max_bad_fraction: float, 
 # --init-from: the previous tokenizer and schema
 # ---------------------------------------------------------------------------------------------
 
-def _load_checkpoint_state(path: Path) -> dict[str, Any]:
-    # checkpoint.load verifies the manifest checksum; fall back to a plain read where it is absent.
-    if importlib.util.find_spec("pipeline_steps.checkpoint") is not None:
-        from . import checkpoint
-
-        if hasattr(checkpoint, "load"):
-            return checkpoint.load(path)
-    import torch
-
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # any unpickling/zip error means the same thing to the user
-        raise BadInputError(f"cannot read checkpoint {path}: {exc}; pass another checkpoint or the "
-                            f"previous run dir to --init-from") from None
-
-
 def load_previous(init_from: Path) -> tuple[bytes, D.Schema, str]:
-    """(tokenizer.json bytes, schema, description) of the run or checkpoint to continue from."""
+    """(tokenizer.json bytes, schema, where they came from) of the run or checkpoint to continue
+    from: RUN_DIR/prepared/ when it exists, else the checkpoint (the given .pt, or the run's latest)."""
     if not init_from.exists():
         raise BadInputError(f"--init-from {init_from} does not exist; pass the previous run dir or a checkpoint .pt")
-    if init_from.is_dir():
-        prepared = init_from / D.PREPARED
-        tok_path, schema_path = prepared / "tokenizer.json", prepared / "schema.json"
-        if not (tok_path.is_file() and schema_path.is_file()):
-            raise BadInputError(f"--init-from {init_from} has no {D.PREPARED}/tokenizer.json + schema.json; pass "
-                                f"the previous run dir (the one its prepare wrote) or one of its checkpoints (.pt)")
-        return tok_path.read_bytes(), D.Schema.load(schema_path), str(prepared)
-    state = _load_checkpoint_state(init_from)
+    prepared = init_from / D.PREPARED
+    if init_from.is_dir() and (prepared / "tokenizer.json").is_file() and (prepared / "schema.json").is_file():
+        return (prepared / "tokenizer.json").read_bytes(), D.Schema.load(prepared / "schema.json"), str(prepared)
+    from . import checkpoint  # imports torch and the model: paid only on this path
+
+    if init_from.is_dir() and checkpoint.latest(init_from) is None:
+        raise BadInputError(f"--init-from {init_from} has neither {D.PREPARED}/tokenizer.json + schema.json nor a "
+                            f"valid checkpoint; pass the previous run dir or one of its checkpoints (.pt)")
+    source = checkpoint.resolve(init_from)
+    state = checkpoint.load(source)  # verifies the manifest checksum
     try:
         tok_json, tok_sha, schema = state["tokenizer"]["json"], state["tokenizer"].get("sha256"), state["schema"]
     except (KeyError, TypeError):
-        raise BadInputError(f"checkpoint {init_from} stores no tokenizer/schema; pass the run dir that "
+        raise BadInputError(f"checkpoint {source} stores no tokenizer/schema; pass the run dir that "
                             f"produced it to --init-from instead") from None
     data = tok_json.encode("utf-8")
     if tok_sha and hashlib.sha256(data).hexdigest() != tok_sha:
-        raise BadInputError(f"the tokenizer stored in {init_from} fails its sha256 check; the checkpoint is "
+        raise BadInputError(f"the tokenizer stored in {source} fails its sha256 check; the checkpoint is "
                             f"damaged: pass another checkpoint or the previous run dir")
-    return data, D.Schema.from_dict(schema), str(init_from)
+    return data, D.Schema.from_dict(dict(schema)), str(source)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,172 @@
+"""pipeline_steps.data: static-shape batches, sharding, determinism, inference batches, encoding, schema."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline_steps import data as D
+from pipeline_steps.errors import BadInputError
+from pipeline_steps.prepare import main as prepare_main
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> D.PreparedData:
+    run_dir = tmp_path_factory.mktemp("run")
+    assert prepare_main(["--run-dir", str(run_dir), "--demo", "--preset", "tiny"]) == 0
+    return D.load_prepared(run_dir)
+
+
+def _pair_multiset(pairs: D.Pairs) -> Counter:
+    return Counter((tuple(ids), int(p)) for ids, p in zip(pairs.token_ids.astype(np.int64), pairs.product_index))
+
+
+def _batch_multiset(batches) -> Counter:
+    seen = Counter()
+    for b in batches:
+        real = b["row_mask"].numpy() > 0
+        for ids, p in zip(b["query_ids"].numpy()[real], b["product_index"].numpy()[real]):
+            seen[(tuple(ids), int(p))] += 1
+    return seen
+
+
+def test_every_batch_has_a_static_shape_and_padding_rows_are_masked(prepared):
+    cfg = prepared.data_cfg
+    batches = D.TrainBatches(prepared, cfg.batch_size, rank=0, world_size=1, seed=0)
+    epoch = list(batches.epoch(0))
+    assert len(epoch) == batches.num_batches()
+    num_partial = 0
+    for b in epoch:
+        B = cfg.batch_size
+        assert b["query_ids"].shape == b["query_mask"].shape == (B, cfg.query_length)
+        assert b["doc_ids"].shape[0] == B and b["doc_ids"].shape[1] in cfg.length_buckets
+        assert b["doc_mask"].shape == b["doc_ids"].shape
+        assert b["numeric"].shape == (B, len(prepared.schema.numeric_names))
+        assert b["categorical"].shape == (B, len(prepared.schema.categorical_names))
+        for key in ("row_mask", "weight", "class_id", "product_index"):
+            assert b[key].shape == (B,)
+        pad = b["row_mask"].numpy() == 0
+        num_partial += bool(pad.any())
+        assert (b["query_mask"].numpy()[pad] == 0).all() and (b["doc_mask"].numpy()[pad] == 0).all()
+        assert (b["weight"].numpy()[pad] == 0).all() and (b["product_index"].numpy()[pad] == -1).all()
+        assert (b["class_id"].numpy()[pad] == D.IGNORE_INDEX).all()
+        assert (b["query_mask"].numpy()[~pad, 0] == 1).all() and (b["doc_mask"].numpy()[~pad, 0] == 1).all()
+    # The last partial batch of each bucket is padded, not dropped: every real pair is there once.
+    assert num_partial >= 1
+    assert _batch_multiset(epoch) == _pair_multiset(prepared.train)
+
+
+def test_a_pair_uses_the_smallest_bucket_that_holds_its_product(prepared):
+    batches = D.TrainBatches(prepared, prepared.data_cfg.batch_size, rank=0, world_size=1, seed=0)
+    buckets = prepared.data_cfg.length_buckets
+    widths = set()
+    for b in batches.epoch(0):
+        real = b["row_mask"].numpy() > 0
+        lengths = prepared.products.lengths[b["product_index"].numpy()[real]]
+        width = b["doc_ids"].shape[1]
+        widths.add(width)
+        assert (b["doc_mask"].numpy()[real].sum(axis=1) == np.minimum(lengths, width)).all()
+        assert (D.bucket_index(lengths, buckets) == buckets.index(width)).all()
+    assert widths == set(buckets)  # the demo data fills both tiny buckets
+    firsts = batches.first_batch_per_bucket()
+    assert [f["doc_ids"].shape[1] for f in firsts] == list(buckets)
+    assert all(f["row_mask"].sum() > 0 for f in firsts)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ranks_step_together_and_cover_every_pair_once(prepared, world_size):
+    B = prepared.data_cfg.batch_size
+    ranks = [D.TrainBatches(prepared, B, rank=r, world_size=world_size, seed=3) for r in range(world_size)]
+    epochs = [list(r.epoch(1)) for r in ranks]
+    assert len({len(e) for e in epochs}) == 1 and len(epochs[0]) == ranks[0].num_batches()
+    everything = [b for e in epochs for b in e]
+    assert _batch_multiset(everything) == _pair_multiset(prepared.train)
+    # Ranks must not overlap: rank 0 alone sees only its share.
+    assert sum(_batch_multiset(epochs[0]).values()) < len(prepared.train)
+
+
+def test_order_is_fixed_by_seed_and_epoch_and_start_resumes(prepared):
+    B = prepared.data_cfg.batch_size
+
+    def product_order(seed, epoch, start=0):
+        batches = D.TrainBatches(prepared, B, rank=0, world_size=1, seed=seed)
+        return [tuple(b["product_index"].tolist()) for b in batches.epoch(epoch, start=start)]
+
+    assert product_order(0, 0) == product_order(0, 0)
+    assert product_order(0, 0) != product_order(0, 1)
+    assert product_order(0, 0) != product_order(1, 0)
+    assert product_order(0, 2, start=5) == product_order(0, 2)[5:]
+
+
+def test_no_pairs_means_no_batches(prepared):
+    empty = D.Pairs(queries=[], token_ids=np.zeros((0, prepared.data_cfg.query_length), np.int32),
+                    lengths=np.zeros(0, np.int32), product_index=np.zeros(0, np.int64),
+                    weight=np.zeros(0, np.float32), class_id=np.zeros(0, np.int64))
+    data = D.PreparedData(prepared.products, empty, empty, prepared.schema, prepared.tokenizer_path,
+                          prepared.data_cfg)
+    batches = D.TrainBatches(data, 4, rank=0, world_size=2, seed=0)
+    assert batches.num_batches() == 0 and list(batches.epoch(0)) == []
+
+
+def test_text_batches_cover_every_index_exactly_once(prepared):
+    products = prepared.products
+    buckets = prepared.data_cfg.length_buckets
+    seen = []
+    for indices, ids, mask, n_real in D.text_batches(products.token_ids, products.lengths, 7, buckets):
+        assert indices.shape == (7,) and ids.shape == mask.shape and ids.shape[0] == 7 and ids.shape[1] in buckets
+        real = indices >= 0
+        assert n_real == real.sum() and real[:n_real].all()  # padding rows only at the end
+        assert (mask[~real] == 0).all()
+        width = ids.shape[1]
+        assert (mask[real].sum(axis=1) == np.minimum(products.lengths[indices[real]], width)).all()
+        assert (ids[real] == products.token_ids[indices[real], :width] * mask[real]).all()
+        seen.extend(indices[real].tolist())
+    assert sorted(seen) == list(range(len(products)))
+
+
+def test_encode_texts_wraps_truncates_and_pads(prepared):
+    tokenizer = D.load_tokenizer(prepared.tokenizer_path)
+    cls, sep = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+    ids, lengths = D.encode_texts(tokenizer, ["grey sofa", "grey sofa " * 50], 8)
+    assert ids.dtype == np.int32 and ids.shape == (2, 8) and lengths.tolist()[1] == 8
+    assert ids[0, 0] == cls and ids[0, lengths[0] - 1] == sep and (ids[0, lengths[0]:] == D.PAD_ID).all()
+    assert ids[1, 0] == cls and ids[1, 7] == sep  # truncation keeps the closing [SEP]
+    assert tokenizer.truncation is None and tokenizer.padding is None  # the caller's tokenizer is untouched
+    # lowercase + strip accents: the same ids for differently written text
+    a, _ = D.encode_texts(tokenizer, ["CAFE Creme"], 8)
+    b, _ = D.encode_texts(tokenizer, ["café crème"], 8)
+    assert (a == b).all()
+    assert [tokenizer.id_to_token(i) for i in range(5)] == list(D.SPECIAL_TOKENS)
+
+
+def test_schema_round_trips_and_maps_unseen_values_to_unknown(tmp_path):
+    products = [D.ProductRecord(id="a", title="x", numeric={"price": 10.0}, categorical={"colour": "red"}, category="c1"),
+                D.ProductRecord(id="b", title="y", numeric={"price": 30.0}, categorical={"colour": "blue"}, category="c2")]
+    schema = D.Schema.fit(products)
+    schema.save(tmp_path / "schema.json")
+    assert D.Schema.load(tmp_path / "schema.json") == schema
+    assert D.Schema.from_dict(dict(schema.to_dict())) == schema
+    assert schema.cardinalities == (3,)
+    new = [D.ProductRecord(id="c", title="z", categorical={"colour": "green"}),
+           D.ProductRecord(id="d", title="w", numeric={"price": 30.0}, categorical={"colour": "red"})]
+    assert schema.categorical_matrix(new).tolist() == [[0], [2]]
+    assert schema.numeric_matrix(new)[:, 0].tolist() == [0.0, 1.0]  # missing -> mean; (30-20)/10
+    assert schema.class_ids(["c2", "c9", None]).tolist() == [1, D.IGNORE_INDEX, D.IGNORE_INDEX]
+
+
+def test_load_prepared_without_prepare_says_what_to_run(tmp_path):
+    with pytest.raises(BadInputError, match="pipeline_steps prepare"):
+        D.load_prepared(tmp_path)
+
+
+def test_prepared_arrays_round_trip_through_parquet(prepared, tmp_path):
+    path = tmp_path / "p.parquet"
+    D.save_pairs(path, prepared.train, prepared.products.ids)
+    again = D.read_pairs(path, prepared.data_cfg)
+    assert again.queries == prepared.train.queries
+    for name in ("token_ids", "lengths", "product_index", "weight", "class_id"):
+        assert np.array_equal(getattr(again, name), getattr(prepared.train, name))
+    assert Path(prepared.tokenizer_path).is_file()

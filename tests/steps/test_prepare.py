@@ -1,0 +1,228 @@
+"""The `prepare` step: quarantine, the bad-record threshold, input errors, holdout split, --init-from."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline_steps import data as D
+from pipeline_steps.__main__ import main as cli
+from pipeline_steps.demo_data import generate
+from pipeline_steps.errors import BadInputError, ExitCode
+from pipeline_steps.fileio import read_json
+
+REPO = Path(__file__).resolve().parents[2]
+
+# (raw line, expected reason): one of each kind of bad product / pair record.
+BAD_PRODUCTS = [
+    (b'{"id": "bad1", "title": "unterminated', "malformed JSON"),
+    (b'{"id": "bad2", "title": "caf\xe9 table"}', "invalid UTF-8"),
+    (b'{"id": "bad3", "description": "no title"}', "missing field"),
+    (b'{"id": "bad4", "title": 42}', "wrong type"),
+    (b'{"id": "bad5", "title": "   "}', "empty text"),
+    (json.dumps({"id": "bad6", "title": "x" * 5000}).encode(), "text too long"),
+    (b'{"id": "bad7", "title": "lamp", "numeric": {"price": NaN}}', "non-finite number"),
+    (b'{"id": "P000000", "title": "second definition of an id"}', "duplicate product id"),
+    (b'["a", "list"]', "wrong type"),
+]
+BAD_PAIRS = [
+    (b'{"query": "grey sofa", "product_id": "P000001", "weight": 0}', "non-positive weight"),
+    (b'{"query": "grey sofa", "product_id": "P000001", "weight": -2.5}', "non-positive weight"),
+    (b'{"query": "grey sofa", "product_id": "P000001", "weight": Infinity}', "non-finite number"),
+    (b'{"query": "grey sofa", "product_id": "NOPE"}', "unknown product_id"),
+    (b'{"query": "grey sofa", "product_id": "bad4"}', "unknown product_id"),  # its product was quarantined
+    (b'{"product_id": "P000001"}', "missing field"),
+    (b'{"query": "grey sofa", "product_id": 7}', "wrong type"),
+    (b'{"query": "", "product_id": "P000001"}', "empty text"),
+]
+
+
+def _write_jsonl(path: Path, good: list[dict], bad: list[tuple[bytes, str]]) -> dict[int, str]:
+    """Good records, with the bad ones interleaved; returns {line number: expected reason}."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines, expected = [], {}
+    bad_iter = iter(bad)
+    for i, record in enumerate(good):
+        lines.append(json.dumps(record).encode())
+        if i % 5 == 2 and (item := next(bad_iter, None)):
+            lines.append(item[0])
+            expected[len(lines)] = item[1]
+    for raw, reason in bad_iter:
+        lines.append(raw)
+        expected[len(lines)] = reason
+    path.write_bytes(b"\n".join(lines) + b"\n\n")  # a trailing blank line is not a record
+    return expected
+
+
+@pytest.fixture
+def dirty_input(tmp_path) -> dict:
+    products, pairs = generate(60, 3, seed=0)
+    data = tmp_path / "upload"
+    return {"data": data, "products": products, "pairs": pairs,
+            "bad_products": _write_jsonl(data / "products" / "part-00000.jsonl", products, BAD_PRODUCTS),
+            "bad_pairs": _write_jsonl(data / "pairs" / "part-00000.jsonl", pairs, BAD_PAIRS)}
+
+
+def _prepare(run_dir: Path, *args: str) -> int:
+    return cli(["prepare", "--run-dir", str(run_dir), *args])
+
+
+def test_each_bad_record_is_quarantined_with_its_reason_and_line(dirty_input, tmp_path):
+    run = tmp_path / "run"
+    assert _prepare(run, "--data", str(dirty_input["data"]), "--max-bad-fraction", "0.5") == 0
+    entries = [json.loads(line) for line in (run / "prepared" / "quarantine.jsonl").read_text().splitlines()]
+    got = {(Path(e["source"]).parent.name, e["line"]): e["reason"] for e in entries}
+    expected = {("products", n): r for n, r in dirty_input["bad_products"].items()}
+    expected |= {("pairs", n): r for n, r in dirty_input["bad_pairs"].items()}
+    assert got == expected
+    assert all(e["record"] and e["detail"] for e in entries)
+    assert max(len(e["record"]) for e in entries) <= 1000  # the 5000-character title is truncated
+    report = read_json(run / "prepared" / "prepare.json")
+    assert report["status"] == "ok"
+    assert report["counts"]["products"]["reasons"]["wrong type"] == 2
+    assert report["counts"]["pairs"]["reasons"]["unknown product_id"] == 2
+    # No good record is dropped: every product and pair of the clean data is in the prepared set.
+    prepared = D.load_prepared(run)
+    assert sorted(prepared.products.ids) == sorted(p["id"] for p in dirty_input["products"])
+    assert len(prepared.train) + len(prepared.holdout) == len(dirty_input["pairs"])
+    assert report["counts"]["pairs"]["good"] == len(dirty_input["pairs"])
+
+
+def test_too_many_bad_records_fail_with_exit_65_and_a_fix_it(dirty_input, tmp_path):
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "pipeline_steps", "prepare", "--run-dir", str(run),
+                           "--data", str(dirty_input["data"])], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == ExitCode.BAD_INPUT == 65, proc.stderr
+    assert "max_bad_fraction 1.00%" in proc.stderr and "--max-bad-fraction" in proc.stderr
+    assert str(run / "prepared" / "quarantine.jsonl") in proc.stderr
+    report = read_json(run / "prepared" / "prepare.json")
+    assert report["status"] == "failed" and report["counts"]["products"]["quarantined"] == len(BAD_PRODUCTS)
+    assert (run / "prepared" / "quarantine.jsonl").read_text().count("\n") == len(BAD_PRODUCTS) + len(BAD_PAIRS)
+    with pytest.raises(BadInputError, match="did not succeed"):
+        D.load_prepared(run)
+
+
+def test_a_failed_rerun_does_not_leave_the_old_outputs_marked_ok(dirty_input, tmp_path):
+    run = tmp_path / "run"
+    assert _prepare(run, "--demo") == 0
+    assert _prepare(run, "--data", str(dirty_input["data"])) == ExitCode.BAD_INPUT
+    with pytest.raises(BadInputError):
+        D.load_prepared(run)
+
+
+def test_missing_or_empty_input_is_a_clear_error(tmp_path, caplog):
+    run = tmp_path / "run"
+    assert _prepare(run, "--products", str(tmp_path / "nope"), "--pairs", str(tmp_path / "nope")) == 65
+    assert "does not exist" in caplog.text
+    (tmp_path / "empty" / "products").mkdir(parents=True)
+    (tmp_path / "empty" / "pairs").mkdir()
+    assert _prepare(run, "--data", str(tmp_path / "empty")) == 65
+    assert "is empty" in caplog.text
+    (tmp_path / "blank").mkdir()
+    (tmp_path / "blank" / "products.jsonl").write_text("\n\n")
+    (tmp_path / "blank" / "pairs.jsonl").write_text("")
+    assert _prepare(run, "--data", str(tmp_path / "blank")) == 65
+    assert "holds no records" in caplog.text
+    assert _prepare(run, "--data", str(tmp_path / "missing-dir")) == 65
+
+
+def test_parquet_inputs_are_validated_with_row_numbers(tmp_path):
+    products, pairs = generate(40, 2, seed=5)
+    products[3] = {**products[3], "title": None}  # a null in a Parquet column is a missing field
+    (tmp_path / "in").mkdir()
+    pq.write_table(pa.Table.from_pylist(products), tmp_path / "in" / "products.parquet")
+    pq.write_table(pa.Table.from_pylist(pairs), tmp_path / "in" / "pairs.parquet")
+    run = tmp_path / "run"
+    assert _prepare(run, "--products", str(tmp_path / "in" / "products.parquet"),
+                    "--pairs", str(tmp_path / "in" / "pairs.parquet"), "--max-bad-fraction", "0.2") == 0
+    entries = [json.loads(line) for line in (run / "prepared" / "quarantine.jsonl").read_text().splitlines()]
+    product_entries = [e for e in entries if e["kind"] == "products"]
+    assert [(e["line"], e["reason"]) for e in product_entries] == [(4, "missing field")]
+    assert {e["reason"] for e in entries if e["kind"] == "pairs"} <= {"unknown product_id"}
+    prepared = D.load_prepared(run)
+    # The struct-typed numeric column is read as features (price, rating, reviews).
+    assert prepared.schema.numeric_names == ("price", "rating", "reviews")
+    assert len(prepared.products) == 39
+
+
+def _split(run: Path) -> tuple[set[str], set[str]]:
+    prepared = D.load_prepared(run)
+    return ({D.normalise_query(q) for q in prepared.train.queries},
+            {D.normalise_query(q) for q in prepared.holdout.queries})
+
+
+def test_holdout_split_is_deterministic_and_shares_no_query_with_train(tmp_path):
+    for name in ("a", "b"):
+        assert _prepare(tmp_path / name, "--demo", "--seed", "0") == 0
+    train_a, holdout_a = _split(tmp_path / "a")
+    assert (train_a, holdout_a) == _split(tmp_path / "b")
+    assert holdout_a and not train_a & holdout_a
+    fraction = len(holdout_a) / (len(train_a) + len(holdout_a))
+    assert 0.03 < fraction < 0.2  # tiny's holdout_fraction is 0.1
+    assert _prepare(tmp_path / "c", "--demo", "--seed", "1") == 0
+    assert _split(tmp_path / "c")[1] != holdout_a
+
+
+def test_init_from_reuses_the_tokenizer_and_schema_byte_identical(tmp_path):
+    first = tmp_path / "first"
+    assert _prepare(first, "--demo") == 0
+    # The next data version: other products (seed 7), a brand the first run never saw.
+    products, pairs = generate(50, 2, seed=7)
+    products[0]["categorical"]["brand"] = "Neverseen"
+    data = tmp_path / "v2"
+    _write_jsonl(data / "products.jsonl", products, [])
+    _write_jsonl(data / "pairs.jsonl", pairs, [])
+
+    second = tmp_path / "second"
+    assert _prepare(second, "--data", str(data), "--init-from", str(first)) == 0
+    for name in ("tokenizer.json", "schema.json"):
+        assert (second / "prepared" / name).read_bytes() == (first / "prepared" / name).read_bytes()
+    prepared = D.load_prepared(second)
+    brand = prepared.schema.categorical_names.index("brand")
+    assert prepared.products.categorical[0, brand] == 0  # unseen category -> unknown id
+    report = read_json(second / "prepared" / "prepare.json")
+    assert report["tokenizer"]["source"] == str(first / "prepared")
+    assert report["schema_coverage"]["unknown_categorical_values"]["brand"] >= 1
+
+    # Without --init-from the tokenizer is retrained on the new data and differs.
+    fresh = tmp_path / "fresh"
+    assert _prepare(fresh, "--data", str(data)) == 0
+    assert (fresh / "prepared" / "tokenizer.json").read_bytes() != (first / "prepared" / "tokenizer.json").read_bytes()
+
+
+def _checkpoint_from(run: Path, checkpoint_run: Path) -> Path:
+    """A checkpoint holding `run`'s tokenizer and schema, stored the way the train step does."""
+    from pipeline_steps import checkpoint
+
+    tokenizer_json = (run / "prepared" / "tokenizer.json").read_text("utf-8")
+    state = {"format_version": 1, "step": 1, "epoch": 0, "batch_in_epoch": 1,
+             "tokenizer": {"json": tokenizer_json, "sha256": hashlib.sha256(tokenizer_json.encode()).hexdigest()},
+             "schema": read_json(run / "prepared" / "schema.json")}
+    return checkpoint.save(checkpoint_run, state, keep=2)
+
+
+def test_init_from_a_checkpoint_reuses_its_tokenizer(tmp_path):
+    first = tmp_path / "first"
+    assert _prepare(first, "--demo") == 0
+    ckpt = _checkpoint_from(first, tmp_path / "trained")
+    # A checkpoint file, and a run dir that holds only checkpoints (its latest one is used).
+    for i, init_from in enumerate((ckpt, tmp_path / "trained")):
+        second = tmp_path / f"second{i}"
+        assert _prepare(second, "--demo", "--seed", "3", "--init-from", str(init_from)) == 0
+        assert (second / "prepared" / "tokenizer.json").read_bytes() == (first / "prepared" / "tokenizer.json").read_bytes()
+        assert D.Schema.load(second / "prepared" / "schema.json") == D.Schema.load(first / "prepared" / "schema.json")
+
+
+def test_init_from_a_run_without_prepared_data_is_a_clear_error(tmp_path, caplog):
+    (tmp_path / "old").mkdir()
+    assert _prepare(tmp_path / "run", "--demo", "--init-from", str(tmp_path / "old")) == 65
+    assert "tokenizer.json" in caplog.text and "checkpoint" in caplog.text
