@@ -1,0 +1,162 @@
+"""Training-progress heartbeat as CloudWatch Embedded Metric Format (EMF) lines on stdout.
+
+Why: a hung collective never fails by itself, and a frozen process cannot run its own watchdog
+(`pipeline_steps.watchdog`). So the trainer prints one EMF JSON line per heartbeat; AWS Batch's
+awslogs driver ships stdout to CloudWatch Logs, which extracts the metrics (no agent, no boto3,
+no extra dependency on the node), and an alarm fires when `TrainStep` stops arriving.
+
+The metric contract (the orchestration stack's alarms and dashboard use exactly these names):
+
+    Namespace   TrainiumEmbeddings
+    Dimensions  [["Stage"]]                 Stage = env PIPELINE_STAGE (default "local")
+    Metrics     TrainStep        Count          the optimizer step just completed
+                TrainLoss        None           training loss of that step (omitted when not finite)
+                TokensPerSecond  Count/Second   training throughput (all ranks together)
+    Properties  RunId = env PIPELINE_RUN_ID (default "local"), plus any extra keyword properties
+                (searchable in Logs Insights, not metrics: no extra cost, no cardinality issue).
+
+One line looks like (a single line in the log):
+
+    {"_aws": {"Timestamp": 1767225600000, "CloudWatchMetrics": [{"Namespace": "TrainiumEmbeddings",
+     "Dimensions": [["Stage"]], "Metrics": [{"Name": "TrainStep", "Unit": "Count"},
+     {"Name": "TrainLoss", "Unit": "None"}, {"Name": "TokensPerSecond", "Unit": "Count/Second"}]}]},
+     "Stage": "prod", "RunId": "run-2026-01-01", "TrainStep": 120, "TrainLoss": 0.41,
+     "TokensPerSecond": 183000.0}
+
+Enabled only on AWS Batch (env AWS_BATCH_JOB_ID set) so local runs and tests are not spammed;
+`Heartbeat(enabled=True)` or env PIPELINE_HEARTBEAT=1 forces it on, PIPELINE_HEARTBEAT=0 off.
+Call it from rank 0 only (one series per job), e.g. every step or every N steps:
+
+    from pipeline_steps.heartbeat import Heartbeat
+    heartbeat = Heartbeat()                       # reads the environment once
+    heartbeat.emit(step=120, loss=0.41, tokens_per_s=183000.0, epoch=1)
+
+Dependency-free (standard library only) on purpose: it runs inside the training image.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import threading
+import time
+from typing import Any, Mapping, TextIO
+
+NAMESPACE = "TrainiumEmbeddings"
+DIMENSION = "Stage"
+METRIC_STEP = "TrainStep"
+METRIC_LOSS = "TrainLoss"
+METRIC_TOKENS_PER_S = "TokensPerSecond"
+# (name, CloudWatch unit) in the order they appear in every line.
+METRICS: tuple[tuple[str, str], ...] = (
+    (METRIC_STEP, "Count"),
+    (METRIC_LOSS, "None"),
+    (METRIC_TOKENS_PER_S, "Count/Second"),
+)
+ENV_STAGE = "PIPELINE_STAGE"
+ENV_RUN_ID = "PIPELINE_RUN_ID"
+ENV_FORCE = "PIPELINE_HEARTBEAT"
+DEFAULT_STAGE = "local"
+DEFAULT_RUN_ID = "local"
+
+_RESERVED = {"_aws", DIMENSION, "RunId"} | {name for name, _ in METRICS}
+
+
+def enabled_by_env(environ: Mapping[str, str] | None = None) -> bool:
+    """On when PIPELINE_HEARTBEAT=1/true, off when 0/false, else on exactly when on AWS Batch."""
+    env = os.environ if environ is None else environ
+    forced = env.get(ENV_FORCE, "").strip().lower()
+    if forced in ("1", "true", "yes", "on"):
+        return True
+    if forced in ("0", "false", "no", "off"):
+        return False
+    return bool(env.get("AWS_BATCH_JOB_ID"))
+
+
+def emf_record(
+    *,
+    stage: str,
+    run_id: str,
+    step: int,
+    loss: float | None = None,
+    tokens_per_s: float | None = None,
+    timestamp_ms: int | None = None,
+    properties: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One EMF record (a dict; `json.dumps` it onto one line). Metrics whose value is missing or
+    not finite are left out of both the directive and the record: EMF rejects a declared metric
+    without a value, and JSON has no NaN."""
+    values: dict[str, float | int] = {METRIC_STEP: int(step)}
+    for name, value in ((METRIC_LOSS, loss), (METRIC_TOKENS_PER_S, tokens_per_s)):
+        if value is not None and math.isfinite(float(value)):
+            values[name] = float(value)
+    record: dict[str, Any] = {
+        "_aws": {
+            "Timestamp": int(time.time() * 1000) if timestamp_ms is None else int(timestamp_ms),
+            "CloudWatchMetrics": [{
+                "Namespace": NAMESPACE,
+                "Dimensions": [[DIMENSION]],
+                "Metrics": [{"Name": name, "Unit": unit} for name, unit in METRICS if name in values],
+            }],
+        },
+        DIMENSION: stage,
+        "RunId": run_id,
+    }
+    if loss is not None and METRIC_LOSS not in values:
+        record["TrainLossNotFinite"] = str(loss)  # visible in Logs Insights, not a metric
+    for key, value in (properties or {}).items():
+        if key in _RESERVED:
+            raise ValueError(f"heartbeat property {key!r} would overwrite a metric or dimension; rename it")
+        record[key] = value
+    record.update(values)
+    return record
+
+
+class Heartbeat:
+    """Prints one EMF line per `emit` call when enabled (see the module docstring).
+
+    stage, run_id   default from env PIPELINE_STAGE / PIPELINE_RUN_ID, else "local".
+    enabled         None = decide from the environment (`enabled_by_env`); True/False forces.
+    stream          where lines go (default sys.stdout, which Batch ships to CloudWatch Logs).
+    """
+
+    def __init__(
+        self,
+        *,
+        stage: str | None = None,
+        run_id: str | None = None,
+        enabled: bool | None = None,
+        stream: TextIO | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        env = os.environ if environ is None else environ
+        self.stage = stage or env.get(ENV_STAGE) or DEFAULT_STAGE
+        self.run_id = run_id or env.get(ENV_RUN_ID) or DEFAULT_RUN_ID
+        self.enabled = enabled_by_env(env) if enabled is None else bool(enabled)
+        self._stream = stream
+        self._lock = threading.Lock()  # one line never interleaves with another writer's
+
+    def emit(
+        self,
+        step: int,
+        loss: float | None = None,
+        tokens_per_s: float | None = None,
+        **properties: Any,
+    ) -> str | None:
+        """Print one heartbeat line; returns it (None when disabled). Never raises on a closed
+        stream: losing one heartbeat must not kill a training run (the alarm notices gaps)."""
+        if not self.enabled:
+            return None
+        record = emf_record(stage=self.stage, run_id=self.run_id, step=step, loss=loss,
+                            tokens_per_s=tokens_per_s, properties=properties)
+        line = json.dumps(record, separators=(",", ":"), default=str, ensure_ascii=True)
+        stream = self._stream if self._stream is not None else sys.stdout
+        with self._lock:
+            try:
+                stream.write(line + "\n")
+                stream.flush()
+            except (OSError, ValueError):
+                return None
+        return line
