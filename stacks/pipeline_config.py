@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 # Step Functions state names of the Batch steps, in pipeline order. The timeouts below and the
 # state machine construct share these names so a typo is a KeyError at synth, not a silent default.
-BATCH_STEPS: tuple[str, ...] = ("Sanity", "Compile", "Train", "Validate", "Embed")
+BATCH_STEPS: tuple[str, ...] = ("Prepare", "Sanity", "Compile", "Train", "Validate", "Embed")
 
 # Batch SubmitJob: schedulingPriorityOverride must be 0..9999 (higher = scheduled first).
 # https://docs.aws.amazon.com/batch/latest/APIReference/API_SubmitJob.html
@@ -53,6 +53,7 @@ class PipelineConfig:
     `embed_shards`. Each child embeds catalog shard AWS_BATCH_JOB_ARRAY_INDEX of the size."""
 
     # -- Timeouts (minutes) per state; a state over its budget fails into the failure path ----
+    prepare_timeout_minutes: int = 120
     sanity_timeout_minutes: int = 30
     compile_timeout_minutes: int = 180
     train_timeout_minutes: int = 72 * 60

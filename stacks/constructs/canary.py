@@ -1,0 +1,93 @@
+"""Hourly canary: a small sanity job on the single-node queue, and an alarm when it fails or does not run.
+
+EventBridge Scheduler's universal target calls batch:SubmitJob directly, because the classic
+EventBridge Batch target has no ShareIdentifier and the single-node queue is fair-share
+(https://docs.aws.amazon.com/scheduler/latest/UserGuide/managing-targets-universal.html).
+Outcome: a rule on the canary job's SUCCEEDED events (logged to a log group, which also keeps the
+history); the alarm watches that rule's TriggeredRules metric: no success within two intervals
+(a failure, a skipped schedule, a job stuck RUNNABLE) -> ALARM. Missing data is breaching.
+A rule on FAILED events notifies at once with the status reason.
+"""
+
+from __future__ import annotations
+
+from aws_cdk import Duration
+from aws_cdk import aws_batch as batch
+from aws_cdk import aws_cloudwatch as cw
+from aws_cdk import aws_cloudwatch_actions as cw_actions
+from aws_cdk import aws_events as events
+from aws_cdk import aws_events_targets as targets
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_kms as kms
+from aws_cdk import aws_scheduler as scheduler
+from aws_cdk import aws_scheduler_targets as scheduler_targets
+from aws_cdk import aws_sns as sns
+from constructs import Construct
+
+from stacks.constructs.monitoring import encrypted_log_group, log_events_to
+from stacks.pipeline_config import PipelineConfig
+
+
+class Canary(Construct):
+    """Public: `schedule`, `alarm`, `success_rule`, `failure_rule`."""
+
+    def __init__(self, scope: Construct, construct_id: str, *, config: PipelineConfig, queue: batch.IJobQueue,
+                 job_definition: batch.IJobDefinition, topic: sns.ITopic, key: kms.IKey) -> None:
+        super().__init__(scope, construct_id)
+        if config.canary_interval_minutes is None:
+            raise ValueError("Canary: config.canary_interval_minutes is None (the canary is disabled); "
+                             "do not create the construct.")
+        minutes = config.canary_interval_minutes
+        submit = {
+            "JobName": "canary",
+            "JobQueue": queue.job_queue_arn,
+            "JobDefinition": job_definition.job_definition_arn,
+            "SchedulingPriorityOverride": config.default_priority,
+        }
+        if config.canary_num_nodes > 1:
+            submit["NodeOverrides"] = {"NumNodes": config.canary_num_nodes}
+        if queue.scheduling_policy is not None:
+            submit["ShareIdentifier"] = config.production_share
+        self.schedule = scheduler.Schedule(
+            self, "Schedule",
+            schedule=scheduler.ScheduleExpression.rate(Duration.minutes(minutes)),
+            description=f"Canary: sanity job on the single-node queue every {minutes} minutes",
+            target=scheduler_targets.Universal(
+                service="batch", action="submitJob",
+                input=scheduler.ScheduleTargetInput.from_object(submit),
+                policy_statements=[iam.PolicyStatement(
+                    actions=["batch:SubmitJob"],
+                    resources=[queue.job_queue_arn, job_definition.job_definition_arn])],
+                retry_attempts=3,
+            ),
+        )
+
+        detail = {"jobDefinition": [job_definition.job_definition_arn], "jobQueue": [queue.job_queue_arn]}
+        self.success_rule = events.Rule(
+            self, "SucceededRule",
+            event_pattern=events.EventPattern(source=["aws.batch"], detail_type=["Batch Job State Change"],
+                                              detail={**detail, "status": ["SUCCEEDED"]}))
+        log_events_to(self, self.success_rule, encrypted_log_group(self, "ResultLogs", key, days=90))
+        self.failure_rule = events.Rule(
+            self, "FailedRule",
+            event_pattern=events.EventPattern(source=["aws.batch"], detail_type=["Batch Job State Change"],
+                                              detail={**detail, "status": ["FAILED"]}),
+            targets=[targets.SnsTopic(topic, message=events.RuleTargetInput.from_text(
+                f"Canary job {events.EventField.from_path('$.detail.jobId')} failed: "
+                f"{events.EventField.from_path('$.detail.statusReason')}"))])
+
+        # Two intervals: one late run (cold instance start) is not an outage.
+        window = Duration.minutes(min(2 * minutes, 24 * 60))
+        self.alarm = cw.Alarm(
+            self, "NotSucceedingAlarm",
+            alarm_description=f"No successful canary job in {window.to_minutes()} minutes: it failed, did not run, "
+                              "or waits in RUNNABLE (capacity).",
+            metric=cw.Metric(namespace="AWS/Events", metric_name="TriggeredRules",
+                             dimensions_map={"RuleName": self.success_rule.rule_name},
+                             statistic="Sum", period=window),
+            threshold=1, evaluation_periods=1,
+            comparison_operator=cw.ComparisonOperator.LESS_THAN_THRESHOLD,
+            treat_missing_data=cw.TreatMissingData.BREACHING,
+        )
+        self.alarm.add_alarm_action(cw_actions.SnsAction(topic))
+        self.alarm.add_ok_action(cw_actions.SnsAction(topic))

@@ -1,0 +1,120 @@
+"""New data starts a run: S3 `incoming/<dataset>/<version>/_SUCCESS` -> EventBridge -> starter -> pipeline.
+
+EventBridge targets cannot set a Step Functions execution name, and the name is what makes a
+start idempotent (StartExecution with a used name fails with ExecutionAlreadyExists; names are
+unique per state machine for 90 days). So the rule targets a tiny Express "starter" state machine
+that derives the name from the key with intrinsic functions and calls states:startExecution.
+No Lambda.
+
+    rule (Object Created, key prefix incoming/, suffix /_SUCCESS)
+      -> Starter: ParseKey -> CheckKeyDepth -> StartPipeline(Name = "<dataset>-<version>")
+           ExecutionAlreadyExists -> AlreadyStarted (success: a duplicate event is a no-op)
+           InvalidName (too long / a character Step Functions forbids)
+             -> StartPipelineHashedName(Name = "upload-" + MD5("<dataset>/<version>"))
+Execution input: {"dataset", "version", "data_uri": "/fsx/data/<key dir>", "data_s3_uri", "source_key"}.
+"""
+
+from __future__ import annotations
+
+from aws_cdk import aws_events as events
+from aws_cdk import aws_events_targets as targets
+from aws_cdk import aws_kms as kms
+from aws_cdk import aws_s3 as s3
+from aws_cdk import aws_stepfunctions as sfn
+from constructs import Construct
+
+from stacks.constructs.monitoring import encrypted_log_group, express_state_machine
+from stacks.pipeline_config import PipelineConfig
+
+FSX_DATA_ROOT = "/fsx/data"  # the data bucket's FSx data repository association path
+
+
+def execution_name(dataset: str, version: str) -> str:
+    """What the starter names the run (the ASL below does the same with intrinsic functions)."""
+    return f"{dataset}-{version}"
+
+
+class RunTrigger(Construct):
+    """Public: `rule`, `starter` (the Express state machine)."""
+
+    def __init__(self, scope: Construct, construct_id: str, *, config: PipelineConfig,
+                 data_bucket: s3.IBucket, pipeline: sfn.IStateMachine, key: kms.IKey) -> None:
+        super().__init__(scope, construct_id)
+        depth = config.incoming_prefix.count("/")  # key segments before <dataset>
+        ds, ver = f"$.parts[{depth}]", f"$.parts[{depth + 1}]"
+
+        parse = sfn.CustomState(self, "ParseKey", state_json={
+            "Type": "Pass",
+            "Parameters": {
+                "key.$": "$.detail.object.key",
+                "bucket.$": "$.detail.bucket.name",
+                "parts.$": "States.StringSplit($.detail.object.key, '/')",
+            },
+        })
+        describe = sfn.CustomState(self, "DescribeUpload", state_json={
+            "Type": "Pass",
+            "Parameters": {
+                "key.$": "$.key",
+                "bucket.$": "$.bucket",
+                "depth.$": "States.ArrayLength($.parts)",
+                "dataset.$": f"States.ArrayGetItem($.parts, {depth})",
+                "version.$": f"States.ArrayGetItem($.parts, {depth + 1})",
+            },
+        })
+        execution_input = {
+            "dataset.$": "$.dataset",
+            "version.$": "$.version",
+            "data_uri.$": f"States.Format('{FSX_DATA_ROOT}/{config.incoming_prefix}{{}}/{{}}', $.dataset, $.version)",
+            "data_s3_uri.$": f"States.Format('s3://{{}}/{config.incoming_prefix}{{}}/{{}}/', $.bucket, $.dataset, $.version)",
+            "source_key.$": "$.key",
+        }
+        already = sfn.Succeed(self, "AlreadyStarted", comment="A run for this upload exists: duplicate event.")
+        start_hashed = self._start("StartPipelineHashedName", pipeline, execution_input,
+                                   "States.Format('upload-{}', States.Hash(States.Format('{}/{}', $.dataset, $.version), 'MD5'))")
+        start_hashed.add_catch(already, errors=["StepFunctions.ExecutionAlreadyExistsException"], result_path="$.error")
+        start = self._start("StartPipeline", pipeline, execution_input, "States.Format('{}-{}', $.dataset, $.version)")
+        start.add_catch(already, errors=["StepFunctions.ExecutionAlreadyExistsException"], result_path="$.error")
+        start.add_catch(start_hashed, errors=["StepFunctions.InvalidNameException"], result_path="$.error")
+        started = sfn.Succeed(self, "Started")
+        start.next(started)
+        start_hashed.next(started)
+
+        check = sfn.Choice(self, "CheckKeyDepth")
+        # incoming/<dataset>/<version>/_SUCCESS exactly; a deeper or shallower marker is an upload error.
+        check.when(sfn.Condition.number_equals("$.depth", depth + 3), start)
+        check.otherwise(sfn.Fail(self, "UnexpectedKey", error="UnexpectedKey",
+                                 cause=f"Expected {config.incoming_prefix}<dataset>/<version>/{config.success_marker}"))
+        parse.next(describe)
+        describe.next(check)
+
+        self.starter = express_state_machine(
+            self, "Starter", definition=parse, log_group=encrypted_log_group(self, "StarterLogs", key),
+            comment="Starts one training pipeline run per uploaded dataset version (idempotent by name)")
+        pipeline.grant_start_execution(self.starter)
+
+        self.rule = events.Rule(
+            self, "NewDataRule",
+            enabled=config.trigger_enabled,
+            description=f"{config.incoming_prefix}<dataset>/<version>/{config.success_marker} created -> training run",
+            event_pattern=events.EventPattern(
+                source=["aws.s3"],
+                detail_type=["Object Created"],
+                detail={
+                    "bucket": {"name": [data_bucket.bucket_name]},
+                    "object": {"key": [{"wildcard": f"{config.incoming_prefix}*/{config.success_marker}"}]},
+                },
+            ),
+            targets=[targets.SfnStateMachine(self.starter, retry_attempts=8)],
+        )
+
+    def _start(self, name: str, pipeline: sfn.IStateMachine, execution_input: dict, name_expr: str) -> sfn.CustomState:
+        return sfn.CustomState(self, name, state_json={
+            "Type": "Task",
+            "Resource": "arn:aws:states:::states:startExecution",
+            "Parameters": {
+                "StateMachineArn": pipeline.state_machine_arn,
+                "Name.$": name_expr,
+                "Input": execution_input,
+            },
+            "ResultPath": "$.started",
+        })

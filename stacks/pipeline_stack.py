@@ -1,0 +1,71 @@
+"""Pipeline stack: the training state machine, its trigger, the canary, stall watchdog, alarms, dashboard.
+
+Wiring only; the resource families live in stacks/constructs/{training_pipeline, triggers, canary,
+monitoring}.py. Depends on the storage stack (buckets) and the compute stack (queues, job
+definitions); it owns its own KMS key for the topic and log groups so that no key policy of the
+stateful stack changes when this stack does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from aws_cdk import CfnOutput, Stack
+from aws_cdk import aws_batch as batch
+from aws_cdk import aws_s3 as s3
+from cdk_nag import NagSuppressions
+from constructs import Construct
+
+from stacks.constructs.canary import Canary
+from stacks.constructs.monitoring import AlertTopic, JobEvents, Monitoring, StallWatchdog
+from stacks.constructs.training_pipeline import TrainingPipeline
+from stacks.constructs.triggers import RunTrigger
+from stacks.pipeline_config import PipelineConfig
+
+
+class PipelineStack(Stack):
+    """Public: topic, pipeline (TrainingPipeline), trigger, canary (or None), watchdog, monitoring."""
+
+    def __init__(self, scope: Construct, construct_id: str, *, config: PipelineConfig, stage: str,
+                 data_bucket: s3.IBucket, artifacts_bucket: s3.IBucket,
+                 queues: Mapping[str, batch.IJobQueue], job_definitions: Mapping[str, batch.IJobDefinition],
+                 **kwargs: Any) -> None:
+        super().__init__(scope, construct_id, **kwargs)
+        alerts = AlertTopic(self, "Alerts", notification_email=config.notification_email)
+        self.topic = alerts.topic
+        self.pipeline = TrainingPipeline(
+            self, "TrainingPipeline", config=config, artifacts_bucket=artifacts_bucket, queues=queues,
+            job_definitions=job_definitions, topic=alerts.topic, key=alerts.key)
+        self.trigger = RunTrigger(self, "Trigger", config=config, data_bucket=data_bucket,
+                                  pipeline=self.pipeline.state_machine, key=alerts.key)
+        self.watchdog = StallWatchdog(self, "StallWatchdog", config=config, stage=stage,
+                                      train_job_definition=job_definitions["train"], topic=alerts.topic, key=alerts.key)
+        job_events = JobEvents(self, "JobEvents", queues=list(queues.values()), topic=alerts.topic, key=alerts.key)
+        self.canary = None
+        if config.canary_interval_minutes is not None:
+            self.canary = Canary(self, "Canary", config=config, queue=queues["single-node"],
+                                 job_definition=job_definitions["canary"], topic=alerts.topic, key=alerts.key)
+        self.monitoring = Monitoring(
+            self, "Monitoring", stage=stage, topic=alerts.topic, pipeline=self.pipeline.state_machine,
+            helpers={"Starter": self.trigger.starter, "StallWatchdog": self.watchdog.state_machine},
+            rules={"NewData": self.trigger.rule, "TrainJobState": self.watchdog.rules[0],
+                   "StallAlarm": self.watchdog.rules[1]},
+            job_log_group=job_events.log_group,
+            extra_alarms=[self.canary.alarm] if self.canary else [])
+
+        CfnOutput(self, "StateMachineArn", value=self.pipeline.state_machine.state_machine_arn)
+        CfnOutput(self, "TopicArn", value=self.topic.topic_arn)
+        CfnOutput(self, "ExperimentsQueueArn", value=queues["experiments"].job_queue_arn)
+        CfnOutput(self, "DashboardName", value=self.monitoring.dashboard.dashboard_name)
+        self._acknowledge()
+
+    def _acknowledge(self) -> None:
+        NagSuppressions.add_stack_suppressions(self, [
+            {"id": "AwsSolutions-IAM5", "reason": (
+                "Wildcards are runtime-only ids: batch:DescribeJobs has no resource-level permissions and "
+                "batch:TerminateJob targets job/* (job ids exist only at run time); gate.json keys are "
+                "runs/*/validation/gate.json (run id = execution name); per-job stall alarms are "
+                "<stack>-TrainStalled/*; X-Ray and log-delivery actions are '*' by API design; KMS "
+                "GenerateDataKey*/ReEncrypt* come from grant_* on the pipeline and bucket keys.")},
+        ])
