@@ -306,17 +306,34 @@ def validate_pair(record: dict, max_chars: int, source: str = "", line: int = 0)
 # Tokenizer
 # ---------------------------------------------------------------------------------------------
 
+def _continuing_subword_tokens(tokenizer: Tokenizer, texts: Sequence[str]) -> list[str]:
+    """"##c" for every character that occurs inside a word of `texts`, sorted."""
+    chars: set[str] = set()
+    for text in texts:
+        for word, _ in tokenizer.pre_tokenizer.pre_tokenize_str(tokenizer.normalizer.normalize_str(text)):
+            chars.update(word[1:])
+    return ["##" + c for c in sorted(chars)]
+
+
 def train_tokenizer(texts: Sequence[str], vocab_size: int) -> Tokenizer:
     """A BERT-style WordPiece tokenizer trained on `texts`: NFD + lowercase + strip accents,
     whitespace/punctuation pre-tokenisation, [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4, and every
-    encoding wrapped as [CLS] ... [SEP] (queries and products alike)."""
+    encoding wrapped as [CLS] ... [SEP] (queries and products alike). Deterministic for `texts`."""
     tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tokenizer.normalizer = normalizers.Sequence([normalizers.NFD(), normalizers.Lowercase(),
                                                  normalizers.StripAccents()])
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+    # The trainer numbers the "##c" tokens in hash-map order and breaks ties between equally
+    # frequent merges by those numbers, so the same text gives a different vocabulary on every run
+    # (huggingface/tokenizers#1794). Declaring them up front, sorted, fixes their ids; they are
+    # removed from the special (never-split) tokens afterwards and stay ordinary vocabulary.
+    seeded = _continuing_subword_tokens(tokenizer, texts)
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS) + seeded,
                                         show_progress=False)
     tokenizer.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    spec = json.loads(tokenizer.to_str())
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] in SPECIAL_TOKENS]
+    tokenizer = Tokenizer.from_str(json.dumps(spec))
     ids = [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
     assert ids == list(range(len(SPECIAL_TOKENS))), f"special token ids {ids}"
     tokenizer.post_processor = processors.TemplateProcessing(

@@ -142,6 +142,14 @@ def test_encode_texts_wraps_truncates_and_pads(prepared):
     assert [tokenizer.id_to_token(i) for i in range(5)] == list(D.SPECIAL_TOKENS)
 
 
+def test_tokenizer_training_is_deterministic(prepared):
+    texts = prepared.products.texts + prepared.train.queries
+    first = D.train_tokenizer(texts, prepared.data_cfg.vocab_size)
+    assert all(D.train_tokenizer(texts, prepared.data_cfg.vocab_size).to_str() == first.to_str() for _ in range(3))
+    # "##" pieces are ordinary vocabulary, not special tokens that would split the input text.
+    assert first.encode("##a").tokens[:2] == ["[CLS]", "[UNK]"]
+
+
 def test_schema_round_trips_and_maps_unseen_values_to_unknown(tmp_path):
     products = [D.ProductRecord(id="a", title="x", numeric={"price": 10.0}, categorical={"colour": "red"}, category="c1"),
                 D.ProductRecord(id="b", title="y", numeric={"price": 30.0}, categorical={"colour": "blue"}, category="c2")]

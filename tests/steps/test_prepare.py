@@ -165,6 +165,9 @@ def test_holdout_split_is_deterministic_and_shares_no_query_with_train(tmp_path)
         assert _prepare(tmp_path / name, "--demo", "--seed", "0") == 0
     train_a, holdout_a = _split(tmp_path / "a")
     assert (train_a, holdout_a) == _split(tmp_path / "b")
+    # A rerun (e.g. a Batch retry) reproduces every output, the tokenizer included.
+    for name in ("tokenizer.json", "products.parquet", "train_pairs.parquet", "holdout_pairs.parquet"):
+        assert (tmp_path / "a" / "prepared" / name).read_bytes() == (tmp_path / "b" / "prepared" / name).read_bytes()
     assert holdout_a and not train_a & holdout_a
     fraction = len(holdout_a) / (len(train_a) + len(holdout_a))
     assert 0.03 < fraction < 0.2  # tiny's holdout_fraction is 0.1
