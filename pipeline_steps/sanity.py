@@ -582,12 +582,14 @@ def main(argv: list[str] | None = None) -> int:
     deadline = started + args.timeout_s
     with Watchdog(args.timeout_s, what="sanity run", on_stall=on_stall):
         _node_phase(args, report, deadline)
+        report.current = "process_group (joining the group, initialising the device)"
         try:
             world = distributed.init(backend)
         except RetryableError as exc:
             report.checks.append(Check("process_group", FAILED, expected="joined", actual="failed", detail=str(exc)))
             write_rank_file()
             raise
+        report.current = None
         report.world_size = world.world_size
         report.run("world_size", lambda: Check(
             "world_size", PASSED if world.world_size == expected_ws else FAILED,
