@@ -1,0 +1,511 @@
+"""Step `embed`: batch inference of the whole catalog into Parquet shards plus a manifest.
+
+Reads   DIR/prepared/ (products.parquet, tokenizer.json, schema.json; from `prepare`) and a checkpoint
+        (`--checkpoint` = a .pt file or a run dir -> its latest valid checkpoint; default DIR).
+Writes  OUT/part-00002-of-00004.parquet   columns id: string, embedding: fixed_size_list<float32, E>
+                                          (L2-normalised; rows in prepared catalog order)
+        OUT/_shards/part-00002-of-00004.json   sidecar: rows, sha256 of the part, checkpoint sha256,
+                                          first/last id; written after the part, so it marks completion
+        OUT/manifest.json                 every shard with counts and checksums, total count,
+                                          embedding_dim, checkpoint; written once all shards exist and
+                                          every product id appears exactly once
+        (OUT defaults to DIR/embeddings). Read the files listed in manifest.json, not a glob: a rerun
+        with another shard count leaves the old count's files in place.
+
+Sharding: shard i of n is the contiguous slice [i*N//n, (i+1)*N//n) of the catalog in prepared
+order, so shards are deterministic and an AWS Batch array child maps to one shard. The index
+defaults to AWS_BATCH_JOB_ARRAY_INDEX (Batch sets it on array children) and the count to
+AWS_BATCH_JOB_ARRAY_SIZE (Batch does NOT set this one: the submitter passes it as an environment
+override, or use --shard-count); without them: shard 0 of 1.
+
+Idempotent and resumable: a shard whose sidecar exists, whose part matches the sidecar's sha256
+and which was made by the same checkpoint from the same catalog slice is skipped; anything else
+(a leftover temp file from a killed writer, a truncated part, a checksum mismatch, another
+checkpoint) is redone. Every process rebuilds the manifest after its shard when all sidecars are
+present, so the last child to finish publishes it; `--merge-manifest-only` does it explicitly
+(strictly: a missing or inconsistent shard is an error naming the shards to rerun).
+
+Static shapes: products are sorted by token length and cut into fixed-size batches per length
+bucket (data.text_batches; the last batch of a bucket is padded with masked rows), so an XLA run
+compiles one graph per bucket, however large the catalog.
+
+Local:   python -m pipeline_steps embed --run-dir runs/demo [--shard-index 0 --shard-count 4]
+         python -m pipeline_steps embed --run-dir runs/demo --merge-manifest-only
+AWS:     AWS Batch array job (single-node job definition "embed"), one child per shard:
+         python -m pipeline_steps embed --run-dir /fsx/runs/<run_id> --checkpoint CKPT --backend xla
+         (not under torchrun: inference needs no collectives; each child is one process)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from . import distributed
+from .errors import BadConfigError, BadInputError, RetryableError
+from .fileio import atomic_path, atomic_write_json, read_json, sha256_file
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BATCH_SIZE = 64
+"""Rows per inference batch. Fixed per run (static shapes); larger than the training batch is
+fine because inference keeps no activations for backward."""
+MANIFEST_FORMAT_VERSION = 1
+_PART_RE = re.compile(r"^part-(\d{5})-of-(\d{5})\.json$")
+
+
+# ============================================================================ model loading (shared
+# with `validate`, so both steps embed exactly the same way)
+
+@dataclass
+class InferenceModel:
+    """A checkpoint's model on a device, in eval mode, ready for static-shape batches."""
+
+    model: torch.nn.Module
+    state: dict[str, Any]
+    world: distributed.World
+    checkpoint: Path
+    checkpoint_sha256: str
+
+    @property
+    def embedding_dim(self) -> int:
+        return int(self.state["config"]["model"]["embedding_dim"])
+
+    @property
+    def num_classes(self) -> int:
+        return int(self.state["config"]["model"].get("num_classes", 0))
+
+
+def resolve_checkpoint(checkpoint_or_run_dir: str | os.PathLike) -> tuple[Path, str]:
+    """(checkpoint path, sha256 of its bytes) for a .pt file or a run dir (-> latest valid)."""
+    from . import checkpoint
+
+    path = checkpoint.resolve(checkpoint_or_run_dir)
+    return path, sha256_file(path)
+
+
+def load_for_inference(checkpoint_or_run_dir: str | os.PathLike, backend: str) -> InferenceModel:
+    from . import checkpoint
+
+    path, digest = resolve_checkpoint(checkpoint_or_run_dir)
+    model, state = checkpoint.load_model(path)
+    world = distributed.init(backend)
+    model = model.to(world.device).eval()
+    log.info("loaded %s (step %s, sha256 %s...) on %s", path, state.get("step"), digest[:12], world.device)
+    return InferenceModel(model, state, world, path, digest)
+
+
+def check_compatible(inference: InferenceModel, prepared: Any) -> list[str]:
+    """Fail when the checkpoint cannot read the prepared data (other tokenizer, other feature
+    shapes); return warnings for differences that only shift the numbers (feature statistics)."""
+    token_state = inference.state.get("tokenizer") or {}
+    tokenizer_file = Path(prepared.tokenizer_path)
+    file_bytes = tokenizer_file.read_bytes()
+    same_tokenizer = token_state.get("sha256") == sha256_file(tokenizer_file)
+    if not same_tokenizer and token_state.get("json"):
+        # Same content, other formatting (e.g. re-serialised by another tokenizers version) is fine.
+        same_tokenizer = json.loads(token_state["json"]) == json.loads(file_bytes.decode("utf-8"))
+    if token_state and not same_tokenizer:
+        raise BadInputError(
+            f"checkpoint {inference.checkpoint} was trained with another tokenizer than "
+            f"{tokenizer_file}: token ids would mean different words. Prepare this run dir from the "
+            f"model (`prepare --init-from {inference.checkpoint} ...`) or pass the matching --checkpoint"
+        )
+    cfg = inference.state["config"]["model"]
+    products = prepared.products
+    num_numeric = products.numeric.shape[1] if products.numeric.ndim == 2 else 0
+    num_categorical = products.categorical.shape[1] if products.categorical.ndim == 2 else 0
+    cardinalities = tuple(cfg.get("categorical_cardinalities", ()))
+    if int(cfg.get("num_numeric", 0)) != num_numeric or len(cardinalities) != num_categorical:
+        raise BadInputError(
+            f"checkpoint {inference.checkpoint} expects {cfg.get('num_numeric', 0)} numeric and "
+            f"{len(cardinalities)} categorical features, the prepared data has {num_numeric} and "
+            f"{num_categorical}; validate/embed with a checkpoint trained on this data's schema"
+        )
+    if num_categorical and products.categorical.size:
+        too_big = products.categorical.max(axis=0) >= np.asarray(cardinalities)
+        if too_big.any():
+            raise BadInputError(
+                f"categorical feature ids exceed the checkpoint's vocabularies (columns "
+                f"{np.flatnonzero(too_big).tolist()}); the data was prepared with another schema"
+            )
+    warnings = []
+    state_schema = inference.state.get("schema")
+    if state_schema is not None and dataclasses.is_dataclass(prepared.schema):
+        if _jsonable(state_schema) != _jsonable(dataclasses.asdict(prepared.schema)):
+            warnings.append("the checkpoint's feature schema (normalisation statistics or category "
+                            "vocabularies) differs from the prepared data's; numbers may shift")
+    for warning in warnings:
+        log.warning("%s: %s", inference.checkpoint, warning)
+    return warnings
+
+
+def _jsonable(obj: Any) -> Any:
+    """Tuples -> lists recursively, so a dataclass dict compares equal to its JSON round trip."""
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+# ============================================================================ static-shape inference
+
+@contextlib.contextmanager
+def _no_autograd(world: distributed.World) -> Iterator[None]:
+    # inference_mode tensors cannot enter an XLA graph in every torch-xla release; no_grad gives
+    # the same saving there (no autograd graph) without that risk.
+    with (torch.no_grad() if world.is_xla else torch.inference_mode()):
+        yield
+
+
+def _run_batches(inference: InferenceModel, batches: Iterator[tuple[Any, ...]], num_rows: int,
+                 width: int, forward: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+                 row_inputs: Callable[[np.ndarray], dict[str, torch.Tensor]] | None = None) -> np.ndarray:
+    """Run `forward` over data.text_batches output and scatter the real rows back into input
+    order -> float32 [num_rows, width]. `row_inputs(indices)` adds per-row tensors (features) to
+    each batch; padding rows (index -1) get row 0's values and are dropped afterwards."""
+    out = np.full((num_rows, width), np.nan, dtype=np.float32)
+    world = inference.world
+    pending: list[np.ndarray] = []
+
+    def as_dicts() -> Iterator[dict[str, torch.Tensor]]:
+        for indices, ids, mask, _n_real in batches:
+            indices = np.asarray(indices, dtype=np.int64)
+            pending.append(indices)
+            batch = {"ids": torch.as_tensor(ids, dtype=torch.int64), "mask": torch.as_tensor(mask, dtype=torch.int64)}
+            if row_inputs is not None:
+                batch.update(row_inputs(np.maximum(indices, 0)))
+            yield batch
+
+    with _no_autograd(world):
+        # device_batches keeps order, so `pending` (filled as batches are produced, possibly
+        # ahead of the device on XLA's background loader) is consumed first-in first-out.
+        for batch in distributed.device_batches(world, as_dicts()):
+            result = forward(batch)
+            distributed.mark_step(world)
+            indices = pending.pop(0)
+            real = indices >= 0
+            out[indices[real]] = result.float().cpu().numpy()[real]
+    if np.isnan(out).any():
+        bad = np.flatnonzero(np.isnan(out).any(axis=1))
+        raise RetryableError(f"{bad.size} rows got no or non-finite embeddings (first rows {bad[:5].tolist()}); "
+                             "a device fault is the likely cause -- rerun the step")
+    return out
+
+
+def embed_products(inference: InferenceModel, products: Any, rows: np.ndarray, *, batch_size: int,
+                   buckets: Sequence[int]) -> np.ndarray:
+    """L2-normalised embeddings of catalog rows `rows` (in that order) -> float32 [len(rows), E]."""
+    from .data import text_batches
+
+    rows = np.asarray(rows, dtype=np.int64)
+    if rows.size == 0:
+        return np.zeros((0, inference.embedding_dim), dtype=np.float32)
+    numeric = np.asarray(products.numeric, dtype=np.float32)[rows]
+    categorical = np.asarray(products.categorical, dtype=np.int64)[rows]
+
+    def row_inputs(index: np.ndarray) -> dict[str, torch.Tensor]:
+        # Gathered on CPU per batch and uploaded with the token ids: same shapes every batch.
+        return {"numeric": torch.from_numpy(numeric[index]), "categorical": torch.from_numpy(categorical[index])}
+
+    def forward(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return inference.model.encode_products(batch["ids"], batch["mask"], batch["numeric"], batch["categorical"])
+
+    batches = text_batches(products.token_ids[rows], products.lengths[rows], batch_size, tuple(buckets))
+    return _run_batches(inference, batches, rows.size, inference.embedding_dim, forward, row_inputs)
+
+
+def embed_queries(inference: InferenceModel, token_ids: np.ndarray, lengths: np.ndarray, *, batch_size: int,
+                  query_length: int, with_logits: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+    """Query embeddings [n, E] and, with `with_logits`, the auxiliary head's logits [n, C]
+    (computed in the same graph as the embedding)."""
+    from .data import text_batches
+
+    dim, num_classes = inference.embedding_dim, inference.num_classes
+    with_logits = with_logits and num_classes > 0
+
+    def forward(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        emb = inference.model.encode_queries(batch["ids"], batch["mask"])
+        return torch.cat([emb, inference.model.classify(emb)], dim=1) if with_logits else emb
+
+    width = dim + (num_classes if with_logits else 0)
+    out = _run_batches(inference, text_batches(token_ids, lengths, batch_size, (query_length,)),
+                       len(lengths), width, forward)
+    return out[:, :dim], (out[:, dim:] if with_logits else None)
+
+
+# ============================================================================ shards
+
+def shard_bounds(num_rows: int, shard_index: int, shard_count: int) -> tuple[int, int]:
+    """[start, end) of shard `shard_index`: contiguous, sizes differ by at most one."""
+    return shard_index * num_rows // shard_count, (shard_index + 1) * num_rows // shard_count
+
+
+def part_name(shard_index: int, shard_count: int) -> str:
+    return f"part-{shard_index:05d}-of-{shard_count:05d}.parquet"
+
+
+def sidecar_path(out_dir: Path, shard_index: int, shard_count: int) -> Path:
+    return out_dir / "_shards" / part_name(shard_index, shard_count).replace(".parquet", ".json")
+
+
+def resolve_shard(shard_index: int | None, shard_count: int | None,
+                  environ: dict[str, str] | os._Environ = os.environ) -> tuple[int, int]:
+    """Flags win; else AWS Batch array variables; else shard 0 of 1."""
+    env_index, env_size = environ.get("AWS_BATCH_JOB_ARRAY_INDEX"), environ.get("AWS_BATCH_JOB_ARRAY_SIZE")
+    try:
+        index = shard_index if shard_index is not None else int(env_index) if env_index else None
+        count = shard_count if shard_count is not None else int(env_size) if env_size else None
+    except ValueError as exc:
+        raise BadConfigError(f"AWS_BATCH_JOB_ARRAY_INDEX/SIZE must be integers: {exc}") from None
+    if index is not None and count is None:
+        raise BadConfigError(
+            f"shard index {index} given (flag or AWS_BATCH_JOB_ARRAY_INDEX) but no shard count: AWS Batch "
+            "does not export the array size, so pass --shard-count N or set AWS_BATCH_JOB_ARRAY_SIZE "
+            "in the job's environment"
+        )
+    index, count = (0 if index is None else index), (1 if count is None else count)
+    if count < 1 or not 0 <= index < count:
+        raise BadConfigError(f"need 0 <= shard index < shard count, got index {index}, count {count}")
+    return index, count
+
+
+def _remove_stale_temps(path: Path) -> None:
+    """Temp files left by a writer killed mid-write (fileio.atomic_path names them .<name>.*.tmp)."""
+    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+        log.warning("removing %s left by an interrupted writer", tmp)
+        tmp.unlink(missing_ok=True)
+
+
+def shard_status(out_dir: Path, shard_index: int, shard_count: int, *, checkpoint_sha256: str,
+                 ids: Sequence[str]) -> str | None:
+    """None when the shard is complete and current; else why it must be (re)done."""
+    part = out_dir / part_name(shard_index, shard_count)
+    sidecar = sidecar_path(out_dir, shard_index, shard_count)
+    if not sidecar.exists():
+        return "not written yet" if not part.exists() else "part without sidecar (writer interrupted)"
+    try:
+        meta = read_json(sidecar)
+    except ValueError:
+        return "sidecar unreadable"
+    if not part.exists():
+        return "part file missing"
+    if meta.get("checkpoint_sha256") != checkpoint_sha256:
+        return "made by another checkpoint"
+    start, end = shard_bounds(len(ids), shard_index, shard_count)
+    if meta.get("rows") != end - start or meta.get("first_id") != (ids[start] if end > start else None) \
+            or meta.get("last_id") != (ids[end - 1] if end > start else None):
+        return "catalog slice changed"
+    if sha256_file(part) != meta.get("sha256"):
+        return "checksum mismatch (truncated or modified part)"
+    return None
+
+
+def write_shard(out_dir: Path, shard_index: int, shard_count: int, ids: Sequence[str], embeddings: np.ndarray,
+                *, checkpoint: Path, checkpoint_sha256: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write the part atomically, then its sidecar (the completion mark); return the sidecar."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    part = out_dir / part_name(shard_index, shard_count)
+    sidecar = sidecar_path(out_dir, shard_index, shard_count)
+    dim = embeddings.shape[1]
+    flat = pa.array(np.ascontiguousarray(embeddings, dtype=np.float32).reshape(-1), type=pa.float32())
+    table = pa.table({"id": pa.array(list(ids), type=pa.string()),
+                      "embedding": pa.FixedSizeListArray.from_arrays(flat, dim)})
+    table = table.replace_schema_metadata({"checkpoint_sha256": checkpoint_sha256,
+                                           "shard": f"{shard_index}/{shard_count}"})
+    with atomic_path(part) as tmp:
+        pq.write_table(table, tmp, compression="zstd")
+    meta = {
+        "shard_index": shard_index, "shard_count": shard_count, "file": part.name,
+        "rows": len(ids), "bytes": part.stat().st_size, "sha256": sha256_file(part),
+        "embedding_dim": dim, "first_id": ids[0] if len(ids) else None, "last_id": ids[-1] if len(ids) else None,
+        "checkpoint": str(checkpoint), "checkpoint_sha256": checkpoint_sha256,
+        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), **(extra or {}),
+    }
+    atomic_write_json(sidecar, meta)
+    return meta
+
+
+# ============================================================================ manifest
+
+def detect_shard_count(out_dir: Path) -> int:
+    counts = {int(m.group(2)) for p in (out_dir / "_shards").glob("part-*.json") if (m := _PART_RE.match(p.name))}
+    if not counts:
+        raise BadInputError(f"no shard sidecars under {out_dir / '_shards'}; run `embed` for every shard first")
+    if len(counts) > 1:
+        raise BadInputError(f"sidecars for several shard counts {sorted(counts)} under {out_dir / '_shards'}; "
+                            "pass --shard-count N for the run to publish")
+    return counts.pop()
+
+
+def build_manifest(out_dir: Path, catalog_ids: Sequence[str], shard_count: int, *, strict: bool,
+                   checkpoint_sha256: str | None = None) -> dict[str, Any] | None:
+    """Check every shard and write OUT/manifest.json. With strict=False (after one shard) an
+    incomplete or inconsistent set returns None with a log line: other children may still be
+    (re)writing theirs. With strict=True (--merge-manifest-only) it raises naming what to rerun."""
+
+    def fail(exc: Exception) -> None:
+        if strict:
+            raise exc
+        log.info("manifest not written yet: %s", exc)
+
+    sidecars = [sidecar_path(out_dir, i, shard_count) for i in range(shard_count)]
+    missing = [i for i, p in enumerate(sidecars) if not p.exists()]
+    if missing:
+        return fail(BadInputError(
+            f"{len(missing)} of {shard_count} shards are missing (indices {missing[:20]}); rerun "
+            f"`embed --shard-index I --shard-count {shard_count}` for them (or the array job)"))
+    metas = [read_json(p) for p in sidecars]
+    shas = {m["checkpoint_sha256"] for m in metas}
+    if checkpoint_sha256 is not None:
+        shas.add(checkpoint_sha256)
+    if len(shas) > 1:
+        stale = [m["shard_index"] for m in metas if checkpoint_sha256 and m["checkpoint_sha256"] != checkpoint_sha256]
+        return fail(BadInputError(
+            f"shards were made by different checkpoints ({len(shas)} distinct sha256; stale shards "
+            f"{stale[:20] or 'unknown'}); rerun embed for all shards with one --checkpoint"))
+    dims = {m["embedding_dim"] for m in metas}
+    if len(dims) != 1:
+        return fail(BadInputError(f"shards disagree on embedding_dim {sorted(dims)}; rerun all shards"))
+
+    import pyarrow.parquet as pq
+
+    seen: list[str] = []
+    for meta in metas:
+        part = out_dir / meta["file"]
+        try:
+            digest = sha256_file(part)
+            ids = pq.read_table(part, columns=["id"]).column("id").to_pylist()
+        except FileNotFoundError:
+            return fail(BadInputError(f"{part} is listed by its sidecar but missing; rerun shard {meta['shard_index']}"))
+        except OSError as exc:  # an FSx/S3 hiccup while reading a file that exists
+            raise RetryableError(f"could not read {part}: {exc}") from exc
+        if digest != meta["sha256"] or len(ids) != meta["rows"]:
+            return fail(BadInputError(f"{part} does not match its sidecar (sha256 or row count); rerun "
+                                      f"`embed --shard-index {meta['shard_index']} --shard-count {shard_count}`"))
+        seen.extend(ids)
+    if seen != list(catalog_ids):
+        seen_set, catalog_set = set(seen), set(catalog_ids)
+        duplicates = len(seen) - len(seen_set)
+        absent = sorted(catalog_set - seen_set)[:5]
+        unknown = sorted(seen_set - catalog_set)[:5]
+        return fail(BadInputError(
+            f"the shards do not cover the catalog exactly once ({len(seen)} rows for {len(catalog_ids)} "
+            f"products; {duplicates} duplicates; missing e.g. {absent}; not in catalog e.g. {unknown}): the "
+            "catalog changed after some shards were written -- rerun every shard"))
+
+    first = metas[0]
+    manifest = {
+        "format_version": MANIFEST_FORMAT_VERSION,
+        "shard_count": shard_count,
+        "total_rows": len(seen),
+        "embedding_dim": first["embedding_dim"],
+        "embedding_dtype": "float32",
+        "normalized": True,
+        "checkpoint": first["checkpoint"],
+        "checkpoint_sha256": first["checkpoint_sha256"],
+        "columns": {"id": "string", "embedding": f"fixed_size_list<float32, {first['embedding_dim']}>"},
+        "shards": [{k: m[k] for k in ("shard_index", "file", "rows", "bytes", "sha256", "first_id", "last_id")}
+                   for m in metas],
+        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    atomic_write_json(out_dir / "manifest.json", manifest)
+    log.info("manifest: %d shards, %d embeddings of dim %d -> %s", shard_count, manifest["total_rows"],
+             manifest["embedding_dim"], out_dir / "manifest.json")
+    return manifest
+
+
+# ============================================================================ CLI
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m pipeline_steps embed", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--checkpoint", help="a .pt checkpoint or a run dir (its latest valid checkpoint); "
+                                             "default: --run-dir")
+    parser.add_argument("--backend", choices=distributed.BACKENDS, default=None,
+                        help="default: xla on a Trainium host, cuda with a GPU, else cpu")
+    parser.add_argument("--shard-index", type=int, default=None, help="default: $AWS_BATCH_JOB_ARRAY_INDEX or 0")
+    parser.add_argument("--shard-count", type=int, default=None, help="default: $AWS_BATCH_JOB_ARRAY_SIZE or 1")
+    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
+    parser.add_argument("--out", type=Path, default=None, help="output directory (default: RUN_DIR/embeddings)")
+    parser.add_argument("--merge-manifest-only", action="store_true",
+                        help="only check every shard and (re)write manifest.json (after an array job)")
+    args = parser.parse_args(argv)
+    if args.batch_size < 1:
+        parser.error("--batch-size must be >= 1")
+    return args
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Embed one shard (unless complete) and publish the manifest when every shard is there.
+    Returns {"shard": sidecar or None, "skipped": bool, "manifest": manifest or None}."""
+    from .data import load_prepared
+
+    run_dir: Path = args.run_dir
+    out_dir: Path = args.out or run_dir / "embeddings"
+    prepared = load_prepared(run_dir)
+    catalog_ids = list(prepared.products.ids)
+
+    if args.merge_manifest_only:
+        count = args.shard_count or detect_shard_count(out_dir)
+        sha = resolve_checkpoint(args.checkpoint)[1] if args.checkpoint else None
+        return {"shard": None, "skipped": True,
+                "manifest": build_manifest(out_dir, catalog_ids, count, strict=True, checkpoint_sha256=sha)}
+
+    index, count = resolve_shard(args.shard_index, args.shard_count)
+    ckpt_path, ckpt_sha = resolve_checkpoint(args.checkpoint or run_dir)
+    part = out_dir / part_name(index, count)
+    sidecar = sidecar_path(out_dir, index, count)
+    start, end = shard_bounds(len(catalog_ids), index, count)
+
+    reason = shard_status(out_dir, index, count, checkpoint_sha256=ckpt_sha, ids=catalog_ids)
+    meta = None
+    if reason is None:
+        log.info("shard %d/%d already complete (%d rows, checkpoint %s...); skipping", index, count,
+                 end - start, ckpt_sha[:12])
+    else:
+        log.info("shard %d/%d: embedding rows [%d, %d) (%s)", index, count, start, end, reason)
+        _remove_stale_temps(part)
+        _remove_stale_temps(sidecar)
+        backend = args.backend or distributed.default_backend()
+        inference = load_for_inference(ckpt_path, backend)
+        check_compatible(inference, prepared)
+        buckets = prepared.data_cfg.length_buckets
+        t0 = time.monotonic()
+        embeddings = embed_products(inference, prepared.products, np.arange(start, end), batch_size=args.batch_size,
+                                    buckets=buckets)
+        seconds = time.monotonic() - t0
+        extra: dict[str, Any] = {"row_start": start, "row_end": end, "backend": backend,
+                                 "batch_size": args.batch_size, "seconds": round(seconds, 3),
+                                 "rows_per_s": round((end - start) / seconds, 1) if seconds > 0 else None}
+        graphs = distributed.compile_count(inference.world)
+        if graphs is not None:
+            extra["xla_graphs_compiled"] = graphs
+        meta = write_shard(out_dir, index, count, catalog_ids[start:end], embeddings,
+                           checkpoint=ckpt_path, checkpoint_sha256=ckpt_sha, extra=extra)
+        log.info("shard %d/%d: %d embeddings in %.1fs -> %s", index, count, end - start, seconds, part)
+
+    manifest = build_manifest(out_dir, catalog_ids, count, strict=False, checkpoint_sha256=ckpt_sha)
+    return {"shard": meta, "skipped": reason is None, "manifest": manifest}
+
+
+def main(argv: list[str] | None = None) -> int:
+    run(parse_args(argv))
+    return 0
