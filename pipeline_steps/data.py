@@ -606,7 +606,8 @@ def load_prepared(run_dir: str | Path) -> PreparedData:
                             f"`python -m pipeline_steps prepare --run-dir {run_dir} --demo` (or --data DIR) first")
     report = read_json(report_path)
     if report.get("status") != "ok":
-        raise BadInputError(f"the last prepare of {run_dir} did not succeed ({report.get('error', 'status ' + str(report.get('status')))}); "
+        why = report.get("error") or f"status {report.get('status')!r}"
+        raise BadInputError(f"the last prepare of {run_dir} did not succeed ({why}); "
                             f"fix the input (see {prepared / 'quarantine.jsonl'}) and rerun prepare")
     data_cfg = from_dict(DataConfig, report["data_config"])
     schema = Schema.load(prepared / "schema.json")

@@ -70,7 +70,7 @@ TYPES: tuple[_Type, ...] = (
           ("cotton", "linen"), ("s", "m", "l", "xl"), 20.0),
     _Type("backpack", ("rucksack", "daypack"), "bags", ("bag to carry a laptop", "school bag"),
           ("nylon", "canvas", "leather"), ("20l", "30l"), 70.0),
-    _Type("headphones", ("earphones", "headset"), "electronics", ("listen to music privately", "noise cancelling audio"),
+    _Type("headphones", ("earphones", "headset"), "electronics", ("listen to music privately", "noise free audio"),
           ("plastic", "aluminium"), ("on-ear", "over-ear"), 90.0),
     _Type("television", ("tv", "smart tv"), "electronics", ("screen for watching films", "big screen for the lounge"),
           ("plastic", "aluminium"), ("43 inch", "55 inch", "65 inch"), 500.0),

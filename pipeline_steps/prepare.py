@@ -13,7 +13,8 @@ complete set, and it is removed first so a crash never leaves an old "ok" beside
     prepare.json      counts per reason, fractions, input checksums, seed, data config.
 
 Exit codes: 0 ok; 65 (bad input) when the input is missing/empty or more than --max-bad-fraction
-of the products or of the pairs is quarantined; 78 for a bad flag value.
+of the products or of the pairs is quarantined; 78 for a bad flag value or a --init-from tokenizer
+larger than the preset's vocabulary.
 
 Local:    python -m pipeline_steps prepare --run-dir runs/demo --demo --preset tiny
 AWS:      python -m pipeline_steps prepare --run-dir /fsx/runs/RUN --data /fsx/data/incoming/DS/VERSION
@@ -39,7 +40,7 @@ import numpy as np
 
 from . import data as D
 from .config import DataConfig, get_preset, to_dict
-from .errors import BadInputError
+from .errors import BadConfigError, BadInputError, StepError
 from .fileio import atomic_write_bytes, atomic_write_json, sha256_file
 
 log = logging.getLogger("pipeline_steps.prepare")
@@ -159,7 +160,8 @@ def read_pairs(files: Sequence[Path], cfg: DataConfig, product_ids: set[str],
 def _counts(kind: str, num_read: int, quarantine: Quarantine) -> dict[str, Any]:
     bad = quarantine.count(kind)
     return {"read": num_read, "good": num_read - bad, "quarantined": bad,
-            "fraction_bad": bad / num_read if num_read else 0.0, "reasons": dict(sorted(quarantine.reasons[kind].items()))}
+            "fraction_bad": bad / num_read if num_read else 0.0,
+            "reasons": dict(sorted(quarantine.reasons[kind].items()))}
 
 
 def check_threshold(counts: dict[str, dict[str, Any]], max_bad_fraction: float, quarantine_path: Path) -> None:
@@ -265,13 +267,79 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     source.add_argument("--demo", action="store_true", help="generate the bundled demo data into RUN_DIR/input/")
     parser.add_argument("--pairs", type=Path, help="pairs file or directory of shards (with --products)")
     parser.add_argument("--preset", default="tiny", help="sets buckets, query length, vocabulary size, demo size")
-    parser.add_argument("--init-from", type=Path, help="previous run dir or checkpoint .pt: reuse its tokenizer + schema")
+    parser.add_argument("--init-from", type=Path,
+                        help="previous run dir or checkpoint .pt: reuse its tokenizer + schema")
     parser.add_argument("--max-bad-fraction", type=float, help="override the preset's quarantine threshold")
     parser.add_argument("--seed", type=int, default=0, help="holdout split (and demo data) seed")
     args = parser.parse_args(argv)
     if (args.products is None) != (args.pairs is None):
         parser.error("--products and --pairs go together (and not with --data/--demo)")
     return args
+
+
+def validate_inputs(product_files: Sequence[Path], pair_files: Sequence[Path], cfg: DataConfig, out: Path,
+                    report: dict[str, Any]) -> tuple[list[D.ProductRecord], list[D.PairRecord]]:
+    """Read and validate every record, write the quarantine, fill report["counts"], apply the threshold."""
+    quarantine = Quarantine()
+    products, num_products_read = read_products(product_files, cfg, quarantine)
+    pairs, num_pairs_read = read_pairs(pair_files, cfg, {p.id for p in products}, quarantine)
+    quarantine_path = out / "quarantine.jsonl"
+    quarantine.write(quarantine_path)
+    counts = {"products": _counts("products", num_products_read, quarantine),
+              "pairs": _counts("pairs", num_pairs_read, quarantine)}
+    report.update(counts=counts, quarantine_file=str(quarantine_path), max_bad_fraction=cfg.max_bad_fraction)
+    for kind, c in counts.items():
+        log.info("%s: read %d, good %d, quarantined %d %s", kind, c["read"], c["good"], c["quarantined"], c["reasons"])
+    check_threshold(counts, cfg.max_bad_fraction, quarantine_path)
+    return products, pairs
+
+
+def tokenizer_and_schema(init_from: Path | None, cfg: DataConfig, products: Sequence[D.ProductRecord],
+                         pairs: Sequence[D.PairRecord], is_holdout: np.ndarray):
+    """(tokenizer, its exact JSON bytes, schema, origin): reused unchanged from --init-from, else learned
+    from the catalog and the training queries (holdout queries stay unseen)."""
+    if init_from is not None:
+        tokenizer_bytes, schema, origin = load_previous(init_from)
+        tokenizer = D.Tokenizer.from_str(tokenizer_bytes.decode("utf-8"))
+        log.info("reusing tokenizer and schema from %s", origin)
+        if tokenizer.get_vocab_size() > cfg.vocab_size:
+            raise BadConfigError(f"the reused tokenizer has {tokenizer.get_vocab_size()} tokens but this preset "
+                                 f"embeds only {cfg.vocab_size}; use the previous run's --preset")
+        return tokenizer, tokenizer_bytes, schema, origin
+    texts = [p.text for p in products] + [p.query for p, h in zip(pairs, is_holdout) if not h]
+    tokenizer = D.train_tokenizer(texts, cfg.vocab_size)
+    schema = D.Schema.fit(products, (p.label for p in pairs))
+    return tokenizer, tokenizer.to_str(pretty=True).encode("utf-8"), schema, "trained"
+
+
+def write_outputs(out: Path, tokenizer_bytes: bytes, schema: D.Schema, products: D.Products, train: D.Pairs,
+                  holdout: D.Pairs) -> dict[str, str]:
+    """Write every output but prepare.json (each atomically); return their sha256 by name."""
+    atomic_write_bytes(out / "tokenizer.json", tokenizer_bytes)
+    schema.save(out / "schema.json")
+    D.save_products(out / "products.parquet", products)
+    D.save_pairs(out / "train_pairs.parquet", train, products.ids)
+    D.save_pairs(out / "holdout_pairs.parquet", holdout, products.ids)
+    names = ("tokenizer.json", "schema.json", "products.parquet", "train_pairs.parquet", "holdout_pairs.parquet")
+    return {name: sha256_file(out / name) for name in names}
+
+
+def summary(cfg: DataConfig, schema: D.Schema, products: D.Products, train: D.Pairs, holdout: D.Pairs) -> dict:
+    """The report's description of what was prepared."""
+    buckets = D.bucket_index(products.lengths[train.product_index], cfg.length_buckets)
+    query_lengths = np.concatenate([train.lengths, holdout.lengths])
+    return {
+        "schema": {"numeric": len(schema.numeric_names), "categorical": list(schema.cardinalities),
+                   "classes": len(schema.class_names)},
+        "split": {"train_pairs": len(train), "holdout_pairs": len(holdout),
+                  "train_queries": len({D.normalise_query(q) for q in train.queries}),
+                  "holdout_queries": len({D.normalise_query(q) for q in holdout.queries}),
+                  "holdout_fraction": cfg.holdout_fraction},
+        # Texts at the cap were (most likely) truncated: a high share says the buckets are too short.
+        "at_max_length": {"products": int((products.lengths >= max(cfg.length_buckets)).sum()),
+                          "queries": int((query_lengths >= cfg.query_length).sum())},
+        "train_pairs_per_bucket": {str(b): int((buckets == i).sum()) for i, b in enumerate(cfg.length_buckets)},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -281,89 +349,40 @@ def main(argv: list[str] | None = None) -> int:
     cfg = preset.data
     if args.max_bad_fraction is not None:
         cfg = dataclasses.replace(cfg, max_bad_fraction=args.max_bad_fraction)  # validated (BadConfigError)
-    run_dir: Path = args.run_dir
-    out = run_dir / D.PREPARED
+    out = args.run_dir / D.PREPARED
     out.mkdir(parents=True, exist_ok=True)
     (out / "prepare.json").unlink(missing_ok=True)  # invalidate first: a crash below leaves no "ok" marker
 
-    # --- read and validate --------------------------------------------------------------------
-    product_files, pair_files = resolve_inputs(args, run_dir, args.seed)
-    quarantine = Quarantine()
-    product_records, num_products_read = read_products(product_files, cfg, quarantine)
-    pair_records, num_pairs_read = read_pairs(pair_files, cfg, {p.id for p in product_records}, quarantine)
-    quarantine_path = out / "quarantine.jsonl"
-    quarantine.write(quarantine_path)
-    counts = {"products": _counts("products", num_products_read, quarantine),
-              "pairs": _counts("pairs", num_pairs_read, quarantine)}
+    product_files, pair_files = resolve_inputs(args, args.run_dir, args.seed)
+    inputs = {"products": _input_checksums(product_files), "pairs": _input_checksums(pair_files)}
     report: dict[str, Any] = {
-        "status": "failed", "preset": preset.name, "seed": args.seed, "data_config": to_dict(cfg),
-        "max_bad_fraction": cfg.max_bad_fraction, "quarantine_file": str(quarantine_path), "counts": counts,
-        "inputs": {"products": _input_checksums(product_files), "pairs": _input_checksums(pair_files)},
+        "status": "failed", "preset": preset.name, "seed": args.seed, "data_config": to_dict(cfg), "inputs": inputs,
+        "input_sha256": _sha256_bytes(json.dumps(inputs, sort_keys=True).encode()),
         "init_from": str(args.init_from) if args.init_from else None,
     }
-    report["input_sha256"] = _sha256_bytes(json.dumps(report["inputs"], sort_keys=True).encode())
-    for kind, c in counts.items():
-        log.info("%s: read %d, good %d, quarantined %d %s", kind, c["read"], c["good"], c["quarantined"], c["reasons"])
     try:
-        check_threshold(counts, cfg.max_bad_fraction, quarantine_path)
-    except BadInputError as exc:
-        report["error"] = str(exc)
-        atomic_write_json(out / "prepare.json", report)
+        product_records, pair_records = validate_inputs(product_files, pair_files, cfg, out, report)
+        is_holdout = D.holdout_mask([p.query for p in pair_records], cfg.holdout_fraction, args.seed)
+        if is_holdout.all():
+            raise BadInputError("every query fell into the holdout; provide more distinct queries")
+        tokenizer, tokenizer_bytes, schema, origin = tokenizer_and_schema(
+            args.init_from, cfg, product_records, pair_records, is_holdout)
+        products = build_products(product_records, tokenizer, schema, cfg)
+        product_row = {pid: i for i, pid in enumerate(products.ids)}
+        train, holdout = (build_pairs([p for p, h in zip(pair_records, is_holdout) if h == side], tokenizer, schema,
+                                      cfg, product_row, products.class_id) for side in (False, True))
+    except StepError as exc:
+        # The report of a failed run says why, next to the quarantine that explains it.
+        atomic_write_json(out / "prepare.json", {**report, "error": str(exc)})
         raise
-
-    # --- tokenizer and schema: reused unchanged for incremental runs, else learned ---------------
-    is_holdout = D.holdout_mask([p.query for p in pair_records], cfg.holdout_fraction, args.seed)
-    if args.init_from:
-        tokenizer_bytes, schema, origin = load_previous(args.init_from)
-        tokenizer = D.Tokenizer.from_str(tokenizer_bytes.decode("utf-8"))
-        log.info("reusing tokenizer and schema from %s", origin)
-    else:
-        texts = [p.text for p in product_records] + [p.query for p, h in zip(pair_records, is_holdout) if not h]
-        tokenizer = D.train_tokenizer(texts, cfg.vocab_size)
-        tokenizer_bytes = tokenizer.to_str(pretty=True).encode("utf-8")
-        schema = D.Schema.fit(product_records, (p.label for p in pair_records))
-        origin = "trained"
-    if tokenizer.get_vocab_size() > cfg.vocab_size:
-        raise BadInputError(f"the reused tokenizer has {tokenizer.get_vocab_size()} tokens but preset {preset.name} "
-                            f"embeds only {cfg.vocab_size}; use the previous run's preset")
-
-    # --- encode and split --------------------------------------------------------------------
-    products = build_products(product_records, tokenizer, schema, cfg)
-    product_row = {pid: i for i, pid in enumerate(products.ids)}
-    train_records = [p for p, h in zip(pair_records, is_holdout) if not h]
-    holdout_records = [p for p, h in zip(pair_records, is_holdout) if h]
-    if not train_records:
-        raise BadInputError("every query fell into the holdout; provide more distinct queries")
-    if not holdout_records:
+    if not len(holdout):
         log.warning("the holdout is empty (too few distinct queries); validation will have nothing to score")
-    train = build_pairs(train_records, tokenizer, schema, cfg, product_row, products.class_id)
-    holdout = build_pairs(holdout_records, tokenizer, schema, cfg, product_row, products.class_id)
-
-    # --- write (prepare.json last) -------------------------------------------------------------
-    atomic_write_bytes(out / "tokenizer.json", tokenizer_bytes)
-    schema.save(out / "schema.json")
-    D.save_products(out / "products.parquet", products)
-    D.save_pairs(out / "train_pairs.parquet", train, products.ids)
-    D.save_pairs(out / "holdout_pairs.parquet", holdout, products.ids)
-    buckets = D.bucket_index(products.lengths[train.product_index], cfg.length_buckets)
-    report.update({
-        "status": "ok",
-        "tokenizer": {"source": origin, "sha256": _sha256_bytes(tokenizer_bytes), "vocab_size": tokenizer.get_vocab_size()},
-        "schema": {"numeric": len(schema.numeric_names), "categorical": list(schema.cardinalities),
-                   "classes": len(schema.class_names)},
-        "schema_coverage": schema_coverage(schema, product_records, products),
-        "split": {"train_pairs": len(train), "holdout_pairs": len(holdout),
-                  "train_queries": len({D.normalise_query(q) for q in train.queries}),
-                  "holdout_queries": len({D.normalise_query(q) for q in holdout.queries}),
-                  "holdout_fraction": cfg.holdout_fraction},
-        # Texts at the cap were (most likely) truncated: a high share says the buckets are too short.
-        "at_max_length": {"products": int((products.lengths >= max(cfg.length_buckets)).sum()),
-                      "queries": int((np.concatenate([train.lengths, holdout.lengths]) >= cfg.query_length).sum())},
-        "train_pairs_per_bucket": {str(b): int((buckets == i).sum()) for i, b in enumerate(cfg.length_buckets)},
-        "outputs": {name: sha256_file(out / name) for name in ("tokenizer.json", "schema.json", "products.parquet",
-                                                               "train_pairs.parquet", "holdout_pairs.parquet")},
-        "elapsed_s": round(time.time() - started, 3),
-    })
+    report.update(summary(cfg, schema, products, train, holdout))
+    report.update(status="ok", outputs=write_outputs(out, tokenizer_bytes, schema, products, train, holdout),
+                  tokenizer={"source": origin, "sha256": _sha256_bytes(tokenizer_bytes),
+                             "vocab_size": tokenizer.get_vocab_size()},
+                  schema_coverage=schema_coverage(schema, product_records, products),
+                  elapsed_s=round(time.time() - started, 3))
     atomic_write_json(out / "prepare.json", report)
     log.info("prepared %d products, %d train / %d holdout pairs in %s (%.1fs)", len(products), len(train),
              len(holdout), out, report["elapsed_s"])

@@ -221,7 +221,8 @@ def test_init_from_a_checkpoint_reuses_its_tokenizer(tmp_path):
     for i, init_from in enumerate((ckpt, tmp_path / "trained")):
         second = tmp_path / f"second{i}"
         assert _prepare(second, "--demo", "--seed", "3", "--init-from", str(init_from)) == 0
-        assert (second / "prepared" / "tokenizer.json").read_bytes() == (first / "prepared" / "tokenizer.json").read_bytes()
+        tokenizer = (second / "prepared" / "tokenizer.json").read_bytes()
+        assert tokenizer == (first / "prepared" / "tokenizer.json").read_bytes()
         assert D.Schema.load(second / "prepared" / "schema.json") == D.Schema.load(first / "prepared" / "schema.json")
 
 
