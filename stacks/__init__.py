@@ -1,0 +1,1 @@
+"""CDK infrastructure: stage config, stacks (wiring) and constructs (resource families)."""

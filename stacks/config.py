@@ -1,0 +1,406 @@
+"""Typed stage configuration: one frozen `StageConfig` per stage ("dev", "prod").
+
+app.py is the only reader of the outside world (CDK context and environment); it picks a stage
+with `-c stage=NAME` and may override the account/region from the CDK environment. Everything
+below is plain data, validated in `__post_init__` with fix-it `ValueError`s, so a bad value fails
+at synth time on a laptop instead of half-way through a CloudFormation deployment.
+
+The per-instance-type table `INSTANCE_TYPES` is the single source of truth for EFA interface
+counts, Neuron devices and cores: the launch templates, the job definitions' device lists, the
+user-data health checks and NPROC_PER_NODE are all generated from it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+
+from stacks.pipeline_config import PipelineConfig
+
+
+# ---------------------------------------------------------------------------------------------
+# Instance table
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class InstanceSpec:
+    """What a Trainium instance type brings to a node. Source: AWS Neuron docs,
+    "setup-trn1-multi-node-execution" and the EC2 accelerated-computing instance table."""
+
+    name: str
+    vcpus: int
+    memory_gib: int
+    neuron_devices: int
+    """/dev/neuron0..N-1: one per Trainium chip."""
+    neuron_cores: int
+    """NeuronCores = torchrun --nproc_per_node (one rank per core)."""
+    efa_interfaces: int
+    """EFA network cards; 0 = no EFA (the launch template then declares no interfaces)."""
+
+
+INSTANCE_TYPES: Mapping[str, InstanceSpec] = MappingProxyType(
+    {
+        "trn1.32xlarge": InstanceSpec(
+            name="trn1.32xlarge", vcpus=128, memory_gib=512, neuron_devices=16, neuron_cores=32, efa_interfaces=8
+        ),
+        "trn1n.32xlarge": InstanceSpec(
+            name="trn1n.32xlarge", vcpus=128, memory_gib=512, neuron_devices=16, neuron_cores=32, efa_interfaces=16
+        ),
+        "trn1.2xlarge": InstanceSpec(
+            name="trn1.2xlarge", vcpus=8, memory_gib=32, neuron_devices=1, neuron_cores=2, efa_interfaces=0
+        ),
+    }
+)
+
+_AMI_RE = re.compile(r"^ami-[0-9a-f]{8}([0-9a-f]{9})?$")
+_SHARE_RE = re.compile(r"^[A-Za-z0-9_]{1,255}$")
+_VERSION_RE = re.compile(r"^\d+(\.\d+){1,3}$")
+# FSx for Lustre PERSISTENT_2: storage 1200 GiB or a multiple of 2400 GiB; throughput per TiB one
+# of 125/250/500/1000 MB/s. https://docs.aws.amazon.com/fsx/latest/APIReference/API_CreateFileSystem.html
+_FSX_P2_THROUGHPUTS = (125, 250, 500, 1000)
+# Retention values CloudWatch Logs accepts (PutRetentionPolicy).
+LOG_RETENTION_DAYS = (1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1827, 3653)
+
+
+def _instance(name: str, where: str) -> InstanceSpec:
+    if name not in INSTANCE_TYPES:
+        raise ValueError(
+            f"{where}={name!r} is not in the EFA/Neuron instance table; use one of "
+            f"{sorted(INSTANCE_TYPES)} or add a row to stacks.config.INSTANCE_TYPES "
+            "(EFA interfaces, Neuron devices/cores, vCPUs)."
+        )
+    return INSTANCE_TYPES[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class NetworkConfig:
+    """VPC layout. Multi-interface (EFA) instances get no public IP, so nodes live in private
+    subnets and reach AWS APIs through VPC endpoints and/or NAT."""
+
+    vpc_id: str | None = None
+    """Use an existing VPC (looked up with Vpc.from_lookup: needs credentials once and a committed
+    cdk.context.json afterwards). None = create a new VPC."""
+    training_subnet_id: str | None = None
+    """With vpc_id: the private subnet (in the training AZ) for nodes and FSx. Required then."""
+    training_availability_zone: str | None = None
+    """With vpc_id: the AZ of training_subnet_id. Required then."""
+    availability_zones: tuple[str, ...] = ()
+    """New VPC: its AZs, pinned so synth needs no lookup; the FIRST is the training AZ (nodes, FSx,
+    placement group). Pick one with trn1 capacity: AZ names map to different physical AZs per
+    account. Empty = ("<region>a", "<region>b")."""
+    cidr: str = "10.42.0.0/16"
+    private_subnet_mask: int = 20
+    """/20 = 4091 usable addresses: every EFA interface takes one, so 32 trn1n nodes need 512."""
+    nat_gateways: int = 0
+    """0 = no internet egress at all (endpoints only); 1+ adds public subnets and NAT."""
+    vpc_endpoints: bool = True
+    """Gateway (S3) and interface endpoints for ECR, logs, STS, ECS so nodes work without NAT."""
+    flow_log_retention_days: int = 90
+
+    def __post_init__(self) -> None:
+        if self.vpc_id is not None:
+            if not self.training_subnet_id or not self.training_availability_zone:
+                raise ValueError(
+                    f"NetworkConfig.vpc_id={self.vpc_id!r} needs training_subnet_id and "
+                    "training_availability_zone (a private subnet in one AZ with trn1 capacity)."
+                )
+        elif self.training_subnet_id is not None:
+            raise ValueError("NetworkConfig.training_subnet_id is only used with vpc_id; remove it or set vpc_id.")
+        if self.vpc_id is None and not self.vpc_endpoints and self.nat_gateways < 1:
+            raise ValueError(
+                "NetworkConfig: nodes in private subnets need VPC endpoints or NAT to pull images and "
+                "send logs; set vpc_endpoints=True or nat_gateways>=1."
+            )
+        if len(self.availability_zones) > 6 or len(set(self.availability_zones)) != len(self.availability_zones):
+            raise ValueError(f"NetworkConfig.availability_zones={self.availability_zones}: up to 6 distinct AZs.")
+        if not 16 <= self.private_subnet_mask <= 24:
+            raise ValueError(
+                f"NetworkConfig.private_subnet_mask={self.private_subnet_mask}: use 16..24; every EFA "
+                "interface consumes one private IP."
+            )
+        if self.flow_log_retention_days not in LOG_RETENTION_DAYS:
+            raise ValueError(
+                f"NetworkConfig.flow_log_retention_days={self.flow_log_retention_days}: use a CloudWatch Logs "
+                f"value {LOG_RETENTION_DAYS}."
+            )
+        if self.nat_gateways < 0:
+            raise ValueError(f"NetworkConfig.nat_gateways={self.nat_gateways}: must be >= 0.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StorageConfig:
+    """Buckets and FSx for Lustre (PERSISTENT_2, Lustre 2.15, LZ4)."""
+
+    fsx_storage_capacity_gib: int = 1200
+    """PERSISTENT_2 SSD: 1200 or a multiple of 2400 GiB."""
+    fsx_throughput_mbps_per_tib: int = 250
+    """PERSISTENT_2: 125, 250, 500 or 1000 MB/s per TiB of storage."""
+    fsx_automatic_backup_retention_days: int = 7
+    noncurrent_version_expiration_days: int = 30
+    """Old object versions in the data/artifacts buckets (versioning protects against overwrites;
+    M5 lost files to unversioned shared storage) are deleted after this many days."""
+    cache_expiration_days: int = 60
+    """Neuron compile-cache entries expire; a cold entry is recompiled at the next run."""
+    access_log_expiration_days: int = 365
+
+    def __post_init__(self) -> None:
+        cap = self.fsx_storage_capacity_gib
+        if not (cap == 1200 or (cap > 0 and cap % 2400 == 0)):
+            raise ValueError(
+                f"StorageConfig.fsx_storage_capacity_gib={cap}: PERSISTENT_2 accepts 1200 or a multiple "
+                "of 2400 GiB (2400, 4800, 7200, ...)."
+            )
+        if self.fsx_throughput_mbps_per_tib not in _FSX_P2_THROUGHPUTS:
+            raise ValueError(
+                f"StorageConfig.fsx_throughput_mbps_per_tib={self.fsx_throughput_mbps_per_tib}: "
+                f"PERSISTENT_2 accepts one of {_FSX_P2_THROUGHPUTS} MB/s/TiB."
+            )
+        if not 0 <= self.fsx_automatic_backup_retention_days <= 90:
+            raise ValueError("StorageConfig.fsx_automatic_backup_retention_days: use 0..90 (0 disables backups).")
+        for name in ("noncurrent_version_expiration_days", "cache_expiration_days", "access_log_expiration_days"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"StorageConfig.{name}={getattr(self, name)}: must be >= 1 day.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Share:
+    """A fair-share identifier and its weight (lower weight = larger share of the queue)."""
+
+    identifier: str
+    weight: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class ComputeConfig:
+    """AWS Batch compute environments, queues and job definitions."""
+
+    training_instance_type: str = "trn1.32xlarge"
+    max_nodes: int = 4
+    """Largest multi-node job (and the CE's max vCPUs = vCPUs x max_nodes)."""
+    single_node_instance_type: str = "trn1.2xlarge"
+    single_node_max_instances: int = 4
+    neuron_ami_ids: Mapping[str, str] = field(default_factory=dict)
+    """Region -> ECS-optimized AL2023 Neuron AMI id, pinned so nothing floats between deploys.
+    Refresh with scripts/infra_pin_ami.sh (reads SSM
+    /aws/service/ecs/optimized-ami/amazon-linux-2023/neuron/recommended/image_id)."""
+    min_neuron_driver_version: str = "2.27"
+    """User data refuses hosts with an older aws-neuronx-dkms: the DLC's runtime 2.32 does not work
+    with driver <= 2.26 (ECS AMIs 20251015..~2026-01 pinned 2.21)."""
+    root_volume_gib: int = 200
+    """gp3 root volume; the Neuron DLC alone is tens of GB and the ECS AMI default is 30 GB."""
+    shared_memory_gib: int = 64
+    """/dev/shm of multi-node (training instance) containers: torchrun workers and the data loader
+    exchange tensors through it; Docker's 64 MB default is far too small."""
+    single_node_shared_memory_gib: int = 8
+    """/dev/shm of single-node (small instance) containers."""
+    shares: tuple[Share, ...] = (Share(identifier="production", weight=1.0), Share(identifier="experiments", weight=3.0))
+    share_decay_seconds: int = 3600
+    compute_reservation: int = 10
+    """Percent of the CE reserved for share identifiers that are not currently active."""
+    runnable_timeout_minutes: int = 240
+    """Cancel jobs stuck RUNNABLE (no capacity, misconfigured CE) after this long."""
+    retry_attempts: int = 3
+    train_attempt_timeout_hours: int = 72
+    short_attempt_timeout_hours: int = 4
+    """sanity/validate/embed/canary attempt timeout; compile uses it x3."""
+    log_retention_days: int = 365
+
+    def __post_init__(self) -> None:
+        spec = _instance(self.training_instance_type, "ComputeConfig.training_instance_type")
+        if spec.efa_interfaces < 1:
+            raise ValueError(
+                f"ComputeConfig.training_instance_type={self.training_instance_type!r} has no EFA; multi-node "
+                "training needs trn1.32xlarge or trn1n.32xlarge (use it as single_node_instance_type instead)."
+            )
+        _instance(self.single_node_instance_type, "ComputeConfig.single_node_instance_type")
+        if self.max_nodes < 1:
+            raise ValueError(f"ComputeConfig.max_nodes={self.max_nodes}: must be >= 1 (nodes per multi-node job).")
+        if self.single_node_max_instances < 1:
+            raise ValueError(f"ComputeConfig.single_node_max_instances={self.single_node_max_instances}: must be >= 1.")
+        for region, ami in self.neuron_ami_ids.items():
+            if not _AMI_RE.match(ami):
+                raise ValueError(
+                    f"ComputeConfig.neuron_ami_ids[{region!r}]={ami!r} is not an AMI id (ami-xxxxxxxx[xxxxxxxxx]); "
+                    "run scripts/infra_pin_ami.sh REGION to print the current one."
+                )
+        if not _VERSION_RE.match(self.min_neuron_driver_version):
+            raise ValueError(f"ComputeConfig.min_neuron_driver_version={self.min_neuron_driver_version!r}: use e.g. '2.27'.")
+        if self.root_volume_gib < 200:
+            raise ValueError(
+                f"ComputeConfig.root_volume_gib={self.root_volume_gib}: use >= 200; the Neuron training image "
+                "does not fit the ECS AMI's default 30 GB."
+            )
+        if not self.shares:
+            raise ValueError("ComputeConfig.shares: at least one fair-share identifier is required.")
+        ids = [s.identifier for s in self.shares]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"ComputeConfig.shares: duplicate share identifiers {ids}.")
+        for s in self.shares:
+            if not _SHARE_RE.match(s.identifier):
+                raise ValueError(f"ComputeConfig.shares: {s.identifier!r} must be 1-255 letters, digits or '_'.")
+            if not 0.0001 <= s.weight <= 999.9999:
+                raise ValueError(f"ComputeConfig.shares: weight of {s.identifier!r} must be in 0.0001..999.9999.")
+        if not 0 <= self.share_decay_seconds <= 604800:
+            raise ValueError("ComputeConfig.share_decay_seconds: use 0..604800 (one week).")
+        if not 0 <= self.compute_reservation <= 99:
+            raise ValueError("ComputeConfig.compute_reservation: a percentage 0..99.")
+        if self.runnable_timeout_minutes < 10:
+            raise ValueError(
+                "ComputeConfig.runnable_timeout_minutes: Batch requires >= 10 minutes for jobStateTimeLimitActions."
+            )
+        if not 1 <= self.retry_attempts <= 10:
+            raise ValueError(f"ComputeConfig.retry_attempts={self.retry_attempts}: Batch accepts 1..10.")
+        if self.train_attempt_timeout_hours < 1 or self.short_attempt_timeout_hours < 1:
+            raise ValueError("ComputeConfig attempt timeouts must be >= 1 hour.")
+        for name, gib, inst in (
+            ("shared_memory_gib", self.shared_memory_gib, spec),
+            ("single_node_shared_memory_gib", self.single_node_shared_memory_gib, INSTANCE_TYPES[self.single_node_instance_type]),
+        ):
+            if not 1 <= gib <= inst.memory_gib // 2:
+                raise ValueError(
+                    f"ComputeConfig.{name}={gib}: use 1..{inst.memory_gib // 2} GiB (half of {inst.name}'s "
+                    f"{inst.memory_gib} GiB); /dev/shm counts against the container's memory."
+                )
+        if self.log_retention_days not in LOG_RETENTION_DAYS:
+            raise ValueError(
+                f"ComputeConfig.log_retention_days={self.log_retention_days}: use a CloudWatch Logs value {LOG_RETENTION_DAYS}."
+            )
+
+    @property
+    def training(self) -> InstanceSpec:
+        return INSTANCE_TYPES[self.training_instance_type]
+
+    @property
+    def single_node(self) -> InstanceSpec:
+        return INSTANCE_TYPES[self.single_node_instance_type]
+
+    @property
+    def share_identifiers(self) -> tuple[str, ...]:
+        return tuple(s.identifier for s in self.shares)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class StageConfig:
+    """Everything that differs between deployments of the same code."""
+
+    name: str
+    """Stage name; prefixes stack names ("<Project>-<name>-Network")."""
+    region: str
+    """Default region; app.py overrides it from the CDK environment (CDK_DEFAULT_REGION) when set."""
+    account: str | None = None
+    """None = environment-agnostic account (app.py fills it from CDK_DEFAULT_ACCOUNT when set)."""
+    project: str = "TrnEmbed"
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    tags: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not re.match(r"^[a-z][a-z0-9-]{0,15}$", self.name):
+            raise ValueError(f"StageConfig.name={self.name!r}: lowercase letters, digits and '-', max 16 chars.")
+        if not re.match(r"^[A-Za-z][A-Za-z0-9]{0,23}$", self.project):
+            raise ValueError(f"StageConfig.project={self.project!r}: letters and digits, max 24 chars.")
+        if not re.match(r"^[a-z]{2}(-[a-z]+)+-\d$", self.region):
+            raise ValueError(f"StageConfig.region={self.region!r}: not an AWS region name (e.g. us-east-1).")
+        if self.account is not None and not re.match(r"^\d{12}$", self.account):
+            raise ValueError(f"StageConfig.account={self.account!r}: a 12-digit AWS account id or None.")
+        if self.region not in self.compute.neuron_ami_ids:
+            raise ValueError(
+                f"Stage {self.name!r}: no Neuron AMI pinned for region {self.region!r}; add "
+                f"compute.neuron_ami_ids[{self.region!r}] (scripts/infra_pin_ami.sh {self.region}) or deploy to "
+                f"one of {sorted(self.compute.neuron_ami_ids)}."
+            )
+        for az in self.availability_zones:
+            if not re.match(rf"^{re.escape(self.region)}[a-z]$", az):
+                raise ValueError(
+                    f"Stage {self.name!r}: availability zone {az!r} is not in region {self.region!r}; fix "
+                    "network.availability_zones / network.training_availability_zone."
+                )
+        if self.pipeline.default_num_nodes > self.compute.max_nodes:
+            raise ValueError(
+                f"Stage {self.name!r}: pipeline.default_num_nodes={self.pipeline.default_num_nodes} exceeds "
+                f"compute.max_nodes={self.compute.max_nodes}; raise max_nodes or lower the default."
+            )
+        for share in (self.pipeline.production_share, self.pipeline.experiments_share):
+            if share not in self.compute.share_identifiers:
+                raise ValueError(
+                    f"Stage {self.name!r}: pipeline share {share!r} is not one of compute.shares "
+                    f"{self.compute.share_identifiers}."
+                )
+
+    @property
+    def availability_zones(self) -> tuple[str, ...]:
+        """AZs of the VPC; the first is the training AZ."""
+        if self.network.vpc_id is not None:
+            return (str(self.network.training_availability_zone),)
+        return self.network.availability_zones or (f"{self.region}a", f"{self.region}b")
+
+    @property
+    def training_availability_zone(self) -> str:
+        return self.availability_zones[0]
+
+    @property
+    def ami_id(self) -> str:
+        return self.compute.neuron_ami_ids[self.region]
+
+    def with_env(self, *, account: str | None = None, region: str | None = None) -> StageConfig:
+        """A copy targeting another account/region (validated again)."""
+        return replace(self, account=account or self.account, region=region or self.region)
+
+
+# ECS-optimized AL2023 Neuron AMI ids, pinned. PLACEHOLDERS until the first deploy: refresh them with
+# `scripts/infra_pin_ami.sh <region>` (one SSM read per region) and commit; synth never looks them up.
+_NEURON_AMIS: Mapping[str, str] = MappingProxyType(
+    {
+        "us-east-1": "ami-0a1b2c3d4e5f60718",
+        "us-east-2": "ami-0b2c3d4e5f6071829",
+        "us-west-2": "ami-0c3d4e5f607182930",
+    }
+)
+
+STAGES: Mapping[str, StageConfig] = MappingProxyType(
+    {
+        "dev": StageConfig(
+            name="dev",
+            region="us-east-1",
+            network=NetworkConfig(nat_gateways=0, flow_log_retention_days=30),
+            storage=StorageConfig(fsx_storage_capacity_gib=1200, fsx_throughput_mbps_per_tib=125),
+            compute=ComputeConfig(
+                training_instance_type="trn1.32xlarge",
+                max_nodes=2,
+                neuron_ami_ids=_NEURON_AMIS,
+                runnable_timeout_minutes=120,
+            ),
+            pipeline=PipelineConfig(canary_interval_minutes=None),
+            tags={"stage": "dev"},
+        ),
+        "prod": StageConfig(
+            name="prod",
+            region="us-east-1",
+            network=NetworkConfig(nat_gateways=1),
+            storage=StorageConfig(fsx_storage_capacity_gib=4800, fsx_throughput_mbps_per_tib=500),
+            compute=ComputeConfig(
+                training_instance_type="trn1n.32xlarge",
+                max_nodes=8,
+                neuron_ami_ids=_NEURON_AMIS,
+            ),
+            pipeline=PipelineConfig(default_num_nodes=4),
+            tags={"stage": "prod"},
+        ),
+    }
+)
+
+
+def get_stage(name: str) -> StageConfig:
+    """The named stage, or a ValueError listing the valid names."""
+    if name not in STAGES:
+        raise ValueError(f"Unknown stage {name!r}: use -c stage=<one of {sorted(STAGES)}> (stacks/config.py STAGES).")
+    return STAGES[name]

@@ -1,0 +1,1 @@
+"""Resource families, one per module; stacks only wire them together."""

@@ -1,0 +1,146 @@
+"""EC2 launch template for Trainium Batch nodes, generated from the instance table.
+
+- Network interfaces: card 0 / DeviceIndex 0, cards 1..N-1 / DeviceIndex 1, all `efa`, with the
+  EFA security group on every interface (Neuron docs, setup-trn1-multi-node-execution). No subnet:
+  Batch launches into the compute environment's subnet (the single training subnet).
+  Instance types without EFA (trn1.2xlarge) declare no interfaces; their compute environment then
+  carries the security group instead.
+- >= 200 GB gp3 encrypted root volume, IMDSv2 required (hop limit 1: containers get credentials
+  from the ECS task-role endpoint, never from the instance role), terminate on shutdown so the
+  fail-fast checks below remove a bad host instead of leaving it stopped.
+- MIME multi-part user data (Batch requires it in launch templates) that fails fast on a Neuron
+  driver older than the image needs or a wrong Neuron/EFA device count, and mounts FSx with retries.
+  cloud-init runs it before the ECS agent starts, so no job lands on a host that failed a check.
+"""
+
+from __future__ import annotations
+
+from aws_cdk import aws_ec2 as ec2
+from constructs import Construct
+
+from stacks.config import InstanceSpec
+
+FSX_MOUNT_POINT = "/fsx"
+
+_USER_DATA = r"""set -euo pipefail
+exec > >(tee -a /var/log/trainium-node-init.log | logger -t trainium-node-init) 2>&1
+
+EXPECTED_EFA={efa}
+EXPECTED_NEURON={neuron}
+MIN_DRIVER={min_driver}
+FSX_DNS="{fsx_dns}"
+FSX_MOUNT_NAME="{fsx_mount_name}"
+
+fail() {{
+  # Visible in `aws ec2 get-console-output`; the ECS agent never starts, the host terminates
+  # (InstanceInitiatedShutdownBehavior=terminate) and Batch launches a replacement.
+  echo "trainium-node-init FATAL: $*" | tee /dev/console
+  systemctl stop --no-block ecs || true
+  shutdown -h now
+  exit 1
+}}
+
+# Neuron driver: the DLC's Neuron runtime does not work with older host drivers.
+driver="$(cat /sys/module/neuron/version 2>/dev/null || modinfo -F version neuron 2>/dev/null || echo 0)"
+lowest="$(printf '%s\n%s\n' "$MIN_DRIVER" "$driver" | sort -V | head -n1)"
+[ "$lowest" = "$MIN_DRIVER" ] || fail "Neuron driver $driver < $MIN_DRIVER; pin a newer Neuron ECS AMI"
+
+# Devices the job definitions map into containers: must match the instance table.
+neuron_count="$(find /dev -maxdepth 1 -name 'neuron[0-9]*' | wc -l)"
+[ "$neuron_count" -eq "$EXPECTED_NEURON" ] || fail "found $neuron_count /dev/neuron*, expected $EXPECTED_NEURON"
+efa_count="$(find /dev/infiniband -maxdepth 1 -name 'uverbs[0-9]*' 2>/dev/null | wc -l)"
+[ "$efa_count" -eq "$EXPECTED_EFA" ] || fail "found $efa_count EFA devices (uverbs), expected $EXPECTED_EFA"
+
+# FSx for Lustre (AL2023 lustre-client is 2.15, matching the file system version).
+for attempt in 1 2 3 4 5; do
+  dnf install -y lustre-client && break
+  [ "$attempt" -lt 5 ] || fail "dnf install lustre-client failed"
+  sleep $((attempt * 10))
+done
+mkdir -p {mount_point}
+for attempt in $(seq 1 10); do
+  mount -t lustre -o noatime,flock "$FSX_DNS@tcp:/$FSX_MOUNT_NAME" {mount_point} && break
+  [ "$attempt" -lt 10 ] || fail "mount of $FSX_DNS@tcp:/$FSX_MOUNT_NAME failed 10 times"
+  sleep $((attempt * 15))
+done
+mountpoint -q {mount_point} || fail "{mount_point} is not a mount point"
+echo "$FSX_DNS@tcp:/$FSX_MOUNT_NAME {mount_point} lustre defaults,noatime,flock,_netdev 0 0" >> /etc/fstab
+echo "trainium-node-init ok: driver $driver, $neuron_count neuron, $efa_count efa, {mount_point} mounted"
+"""
+
+
+def network_interfaces(spec: InstanceSpec, security_group_id: str) -> list[dict[str, object]]:
+    """LaunchTemplateData.NetworkInterfaces for `spec` (empty without EFA)."""
+    return [
+        {
+            "NetworkCardIndex": card,
+            "DeviceIndex": 0 if card == 0 else 1,
+            "InterfaceType": "efa",
+            "Groups": [security_group_id],
+            "DeleteOnTermination": True,
+        }
+        for card in range(spec.efa_interfaces)
+    ]
+
+
+def node_user_data(spec: InstanceSpec, *, min_driver: str, fsx_dns_name: str, fsx_mount_name: str) -> ec2.MultipartUserData:
+    """The boot checks + FSx mount as a MIME multi-part document."""
+    shell = ec2.UserData.for_linux()
+    shell.add_commands(
+        _USER_DATA.format(
+            efa=spec.efa_interfaces,
+            neuron=spec.neuron_devices,
+            min_driver=min_driver,
+            fsx_dns=fsx_dns_name,
+            fsx_mount_name=fsx_mount_name,
+            mount_point=FSX_MOUNT_POINT,
+        )
+    )
+    multipart = ec2.MultipartUserData()
+    multipart.add_user_data_part(shell, ec2.MultipartBody.SHELL_SCRIPT, True)
+    return multipart
+
+
+class EfaLaunchTemplate(Construct):
+    """Public attributes: launch_template (ec2.LaunchTemplate), spec, interfaces (the rendered list)."""
+
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        spec: InstanceSpec,
+        security_group: ec2.ISecurityGroup,
+        root_volume_gib: int,
+        min_driver: str,
+        fsx_dns_name: str,
+        fsx_mount_name: str,
+    ) -> None:
+        super().__init__(scope, construct_id)
+        self.spec = spec
+        self.launch_template = ec2.LaunchTemplate(
+            self,
+            "LaunchTemplate",
+            require_imdsv2=True,
+            http_put_response_hop_limit=1,
+            instance_initiated_shutdown_behavior=ec2.InstanceInitiatedShutdownBehavior.TERMINATE,
+            block_devices=[
+                ec2.BlockDevice(
+                    device_name="/dev/xvda",  # root device of the AL2023 ECS AMIs
+                    volume=ec2.BlockDeviceVolume.ebs(
+                        root_volume_gib, volume_type=ec2.EbsDeviceVolumeType.GP3, encrypted=True, delete_on_termination=True
+                    ),
+                )
+            ],
+            user_data=node_user_data(
+                spec, min_driver=min_driver, fsx_dns_name=fsx_dns_name, fsx_mount_name=fsx_mount_name
+            ),
+            version_description=f"{spec.name}: {spec.efa_interfaces} EFA, {spec.neuron_devices} Neuron devices",
+        )
+        self.interfaces = network_interfaces(spec, security_group.security_group_id)
+        if self.interfaces:
+            # The L2 has no network-interface property: L1 escape hatch. The security group goes on
+            # the interfaces only; a top-level SecurityGroupIds would make EC2 reject the template.
+            cfn = self.launch_template.node.default_child
+            assert isinstance(cfn, ec2.CfnLaunchTemplate)
+            cfn.add_property_override("LaunchTemplateData.NetworkInterfaces", self.interfaces)

@@ -1,0 +1,210 @@
+"""AWS Batch job definitions for the pipeline steps.
+
+Multi-node (sanity, compile, train) on the training instance type; single-node (prepare, validate,
+embed as an array job, canary) on the small instance type. Device lists, NPROC_PER_NODE and the EFA
+environment come from the instance table (stacks/config.py INSTANCE_TYPES), never pasted.
+
+Commands follow CONTRACTS.md: the image entrypoint (training_image/entrypoint.sh) receives
+`<step> --run-dir /fsx/runs/Ref::run_id ...`. Batch parameters cannot be optional, so every
+optional flag has a default of "" and the entrypoint drops a flag whose value is empty.
+
+Retry strategy (evaluateOnExit, first match wins): retry host/infrastructure failures
+(statusReason "Host EC2*") and the steps' RETRYABLE exit code 75; exit on everything else
+(0, 1, 2, 65 bad input, 78 bad config, 79 gate failed, 80 non-finite loss). For multi-node jobs
+Batch acts on the main node's exit code only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from aws_cdk import Duration, Size, Stack
+from aws_cdk import aws_batch as batch
+from aws_cdk import aws_ec2 as ec2
+from aws_cdk import aws_ecs as ecs
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_logs as logs
+from constructs import Construct
+
+from stacks.config import InstanceSpec
+from stacks.constructs.efa_launch_template import FSX_MOUNT_POINT
+
+RETRYABLE_EXIT_CODE = 75  # pipeline_steps.errors.RetryableError
+RUN_DIR = "/fsx/runs/Ref::run_id"
+
+# EFA / Neuron collectives environment (DESIGN.md section 5; AWS Neuron multi-node setup docs).
+EFA_ENVIRONMENT: Mapping[str, str] = {
+    "FI_PROVIDER": "efa",
+    "FI_EFA_USE_DEVICE_RDMA": "1",
+    "FI_EFA_FORK_SAFE": "1",
+    "CCOM_SOCKET_IFNAME": "eth0",
+    "MALLOC_ARENA_MAX": "64",
+}
+
+# Step -> (command, parameter defaults). "" = optional flag (dropped by the entrypoint).
+MULTI_NODE_STEPS: Mapping[str, tuple[list[str], dict[str, str]]] = {
+    "sanity": (["sanity", "--run-dir", RUN_DIR, "--fsx-path", FSX_MOUNT_POINT], {}),
+    # --cache-url defaults to env NEURON_COMPILE_CACHE_URL_BASE (set by the compute stack).
+    "compile": (["compile", "--run-dir", RUN_DIR, "--preset", "Ref::preset", "--backend", "xla"], {"preset": "base"}),
+    "train": (
+        ["train", "--run-dir", RUN_DIR, "--preset", "Ref::preset", "--backend", "xla",
+         "--init-from", "Ref::init_from", "--max-steps", "Ref::max_steps"],
+        {"preset": "base", "init_from": "", "max_steps": ""},
+    ),
+}
+SINGLE_NODE_STEPS: Mapping[str, tuple[list[str], dict[str, str]]] = {
+    "prepare": (
+        ["prepare", "--run-dir", RUN_DIR, "--data", "Ref::data_uri", "--preset", "Ref::preset", "--init-from", "Ref::init_from"],
+        {"preset": "base", "init_from": ""},
+    ),
+    "validate": (
+        ["validate", "--run-dir", RUN_DIR, "--previous-metrics", "Ref::previous_metrics",
+         "--gate-report-only", "--gate-s3-uri", "Ref::gate_s3_uri"],
+        {"previous_metrics": "", "gate_s3_uri": ""},
+    ),
+    # An array job: the shard index comes from AWS_BATCH_JOB_ARRAY_INDEX, the count from the
+    # AWS_BATCH_JOB_ARRAY_SIZE environment override the submitter passes.
+    "embed": (["embed", "--run-dir", RUN_DIR, "--checkpoint", "Ref::checkpoint"], {"checkpoint": ""}),
+    # The canary: node-local sanity on the small instance type, outside the exported /fsx/runs.
+    "canary": (["sanity", "--run-dir", "/fsx/canary/Ref::run_id", "--fsx-path", FSX_MOUNT_POINT], {"run_id": "latest"}),
+}
+
+
+def device_list(spec: InstanceSpec) -> list[batch.Device]:
+    """/dev/neuron0..D-1 (read, write) + /dev/infiniband/uverbs0..E-1 (read, write, mknod), with
+    containerPath set: one merged list from the instance table."""
+    rw = [batch.DevicePermission.READ, batch.DevicePermission.WRITE]
+    devices = [
+        batch.Device(host_path=f"/dev/neuron{i}", container_path=f"/dev/neuron{i}", permissions=rw)
+        for i in range(spec.neuron_devices)
+    ]
+    devices += [
+        batch.Device(
+            host_path=f"/dev/infiniband/uverbs{i}",
+            container_path=f"/dev/infiniband/uverbs{i}",
+            permissions=[*rw, batch.DevicePermission.MKNOD],
+        )
+        for i in range(spec.efa_interfaces)
+    ]
+    return devices
+
+
+def container_memory(spec: InstanceSpec) -> Size:
+    """What a job may reserve: the instance memory minus headroom for the OS and ECS agent
+    (Batch cannot place a job that asks for the full nominal memory)."""
+    return Size.gibibytes(spec.memory_gib - max(4, spec.memory_gib // 16))
+
+
+def retry_strategies() -> list[batch.RetryStrategy]:
+    return [
+        batch.RetryStrategy.of(batch.Action.RETRY, batch.Reason.custom(on_status_reason="Host EC2*")),
+        batch.RetryStrategy.of(batch.Action.RETRY, batch.Reason.custom(on_exit_code=str(RETRYABLE_EXIT_CODE))),
+        batch.RetryStrategy.of(batch.Action.EXIT, batch.Reason.custom(on_exit_code="*")),
+    ]
+
+
+class JobDefinitions(Construct):
+    """Public attributes: job_definitions (dict step -> job definition; keys sanity, compile, train,
+    prepare, validate, embed, canary), job_role, execution_role, log_group."""
+
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        image: ecs.ContainerImage,
+        training: InstanceSpec,
+        single_node: InstanceSpec,
+        default_num_nodes: int,
+        shared_memory_gib: int,
+        single_node_shared_memory_gib: int,
+        retry_attempts: int,
+        train_timeout: Duration,
+        compile_timeout: Duration,
+        short_timeout: Duration,
+        environment: Mapping[str, str],
+        log_retention: logs.RetentionDays,
+    ) -> None:
+        super().__init__(scope, construct_id)
+        self.job_role = iam.Role(
+            self, "JobRole", assumed_by=iam.ServicePrincipal("ecs-tasks.amazonaws.com"),
+            description="Pipeline step containers: data read, artifacts and compile cache read/write",
+        )
+        self.execution_role = iam.Role(
+            self, "ExecutionRole", assumed_by=iam.ServicePrincipal("ecs-tasks.amazonaws.com"),
+            description="ECS agent: pull the training image, write container logs",
+        )
+        self.log_group = logs.LogGroup(self, "JobLogs", retention=log_retention)
+        self.log_group.grant_write(self.execution_role)
+        base_env = {"AWS_DEFAULT_REGION": Stack.of(self).region, **environment}
+        self.job_definitions: dict[str, batch.IJobDefinition] = {}
+
+        for step, (command, parameters) in MULTI_NODE_STEPS.items():
+            container = self._container(
+                f"{step.capitalize()}Container", image=image, spec=training, command=command,
+                environment={**base_env, **EFA_ENVIRONMENT, "NPROC_PER_NODE": str(training.neuron_cores)},
+                shared_memory_gib=shared_memory_gib,
+            )
+            job_definition = batch.MultiNodeJobDefinition(
+                self, f"{step.capitalize()}JobDefinition",
+                instance_type=ec2.InstanceType(training.name),
+                main_node=0,
+                containers=[batch.MultiNodeContainer(container=container, start_node=0, end_node=default_num_nodes - 1)],
+                parameters=parameters or None,
+                retry_attempts=retry_attempts,
+                retry_strategies=retry_strategies(),
+                timeout={"train": train_timeout, "compile": compile_timeout}.get(step, short_timeout),
+                propagate_tags=True,
+            )
+            cfn = job_definition.node.default_child
+            assert isinstance(cfn, batch.CfnJobDefinition)
+            # One open-ended node range ("0:"): the state machine sets NumNodes per submission
+            # (NodeOverrides) and every node runs the same container.
+            cfn.add_property_override("NodeProperties.NodeRangeProperties.0.TargetNodes", "0:")
+            cfn.add_property_override("NodeProperties.NumNodes", default_num_nodes)
+            self.job_definitions[step] = job_definition
+
+        for step, (command, parameters) in SINGLE_NODE_STEPS.items():
+            container = self._container(
+                f"{step.capitalize()}Container", image=image, spec=single_node, command=command,
+                environment={**base_env, "NPROC_PER_NODE": str(single_node.neuron_cores)},
+                shared_memory_gib=single_node_shared_memory_gib,
+            )
+            self.job_definitions[step] = batch.EcsJobDefinition(
+                self, f"{step.capitalize()}JobDefinition",
+                container=container,
+                parameters=parameters or None,
+                retry_attempts=retry_attempts,
+                retry_strategies=retry_strategies(),
+                timeout=short_timeout,
+                propagate_tags=True,
+            )
+
+    def _container(
+        self, construct_id: str, *, image: ecs.ContainerImage, spec: InstanceSpec, command: list[str],
+        environment: Mapping[str, str], shared_memory_gib: int,
+    ) -> batch.EcsEc2ContainerDefinition:
+        linux = batch.LinuxParameters(
+            self, f"{construct_id}Linux",
+            shared_memory_size=Size.gibibytes(shared_memory_gib),
+            init_process_enabled=True,  # reap torchrun's children, forward signals on timeout
+        )
+        linux.add_devices(*device_list(spec))
+        return batch.EcsEc2ContainerDefinition(
+            self, construct_id,
+            image=image,
+            cpu=spec.vcpus,
+            memory=container_memory(spec),
+            command=command,
+            environment=dict(environment),
+            job_role=self.job_role,
+            execution_role=self.execution_role,
+            linux_parameters=linux,
+            privileged=False,
+            ulimits=[
+                batch.Ulimit(name=batch.UlimitName.MEMLOCK, soft_limit=-1, hard_limit=-1),
+                batch.Ulimit(name=batch.UlimitName.NOFILE, soft_limit=65535, hard_limit=65535),
+            ],
+            volumes=[batch.EcsVolume.host(name="fsx", host_path=FSX_MOUNT_POINT, container_path=FSX_MOUNT_POINT)],
+            logging=ecs.LogDrivers.aws_logs(stream_prefix="step", log_group=self.log_group),
+        )

@@ -1,0 +1,47 @@
+"""The training image: training_image/Dockerfile built by `cdk deploy` as a DockerImageAsset.
+
+The build context is the repository root (the image installs the repo's pyproject.toml and
+pipeline_steps/), filtered to an allow-list so the asset hash depends only on what the image
+contains: cdk.out, .venv, node_modules, tests, caches and everything else are excluded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from aws_cdk import IgnoreMode
+from aws_cdk import aws_ecr_assets as ecr_assets
+from aws_cdk import aws_ecs as ecs
+from constructs import Construct
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# Docker-style patterns: exclude everything, then re-include what the Dockerfile COPYs.
+BUILD_CONTEXT_EXCLUDE: tuple[str, ...] = (
+    "*",
+    "!pyproject.toml",
+    "!README.md",
+    "!pipeline_steps",
+    "!pipeline_steps/**",
+    "!training_image",
+    "!training_image/**",
+    "**/__pycache__",
+    "**/*.pyc",
+)
+
+def training_image_asset(scope: Construct, construct_id: str) -> ecr_assets.DockerImageAsset:
+    return ecr_assets.DockerImageAsset(
+        scope,
+        construct_id,
+        directory=str(REPO_ROOT),
+        file="training_image/Dockerfile",
+        platform=ecr_assets.Platform.LINUX_AMD64,
+        exclude=list(BUILD_CONTEXT_EXCLUDE),
+        ignore_mode=IgnoreMode.DOCKER,
+        display_name="training-image",
+    )
+
+
+def training_image(scope: Construct, construct_id: str) -> ecs.ContainerImage:
+    """The image as an ecs.ContainerImage (what the job definitions take)."""
+    return ecs.ContainerImage.from_docker_image_asset(training_image_asset(scope, construct_id))

@@ -1,0 +1,162 @@
+"""AWS Batch managed EC2 compute environments, fair-share policy and job queues for Trainium.
+
+CDK L2 pitfalls handled here (DESIGN.md section 5):
+- `security_groups=[]` and the SecurityGroupIds property removed: Batch rejects a compute
+  environment with security groups when its launch template declares network interfaces, and the
+  L2 otherwise creates a default group (aws/aws-cdk#21577, fixed by #21579 allowing []).
+- `use_optimal_instance_classes=False` (else "optimal" is added to the instance types),
+  `maxv_cpus` = vCPUs x max nodes (the L2 default 256 is two trn1.32xlarge), On-Demand only
+  (multi-node parallel jobs do not run on Spot).
+- The launch template version is pinned to the template's LatestVersionNumber (the L2 renders only
+  the id, i.e. $Default, so template edits would never roll out): L1 escape hatch.
+- The AMI is an image override with imageType ECS_AL2023 (Batch has no Neuron image type).
+- The fair-share policy is attached when the queues are created (it cannot be added later) and
+  `jobStateTimeLimitActions` cancel jobs stuck RUNNABLE.
+"""
+
+from __future__ import annotations
+
+from aws_cdk import Duration
+from aws_cdk import aws_batch as batch
+from aws_cdk import aws_ec2 as ec2
+from aws_cdk import aws_iam as iam
+from constructs import Construct
+
+from stacks.config import ComputeConfig, InstanceSpec
+from stacks.constructs.efa_launch_template import EfaLaunchTemplate
+
+# Queue name -> (compute environment key, priority). Priority only orders queues sharing a CE.
+QUEUES: dict[str, tuple[str, int]] = {
+    "production": ("training", 100),
+    "experiments": ("training", 10),
+    "single-node": ("single-node", 50),
+}
+
+
+class TrainiumCompute(Construct):
+    """Public attributes: launch_templates and compute_environments (dicts keyed "training",
+    "single-node"), instance_role, scheduling_policy, queues (dict keyed "production",
+    "experiments", "single-node"), share_identifiers."""
+
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        config: ComputeConfig,
+        ami_id: str,
+        region: str,
+        vpc: ec2.IVpc,
+        subnets: ec2.SubnetSelection,
+        node_security_group: ec2.ISecurityGroup,
+        placement_group: ec2.IPlacementGroup,
+        fsx_dns_name: str,
+        fsx_mount_name: str,
+    ) -> None:
+        super().__init__(scope, construct_id)
+        self.instance_role = iam.Role(
+            self,
+            "InstanceRole",
+            assumed_by=iam.ServicePrincipal("ec2.amazonaws.com"),
+            description="Batch ECS container instances (ECS agent registration, image pull)",
+            managed_policies=[
+                iam.ManagedPolicy.from_aws_managed_policy_name("service-role/AmazonEC2ContainerServiceforEC2Role")
+            ],
+        )
+        image = batch.EcsMachineImage(
+            image=ec2.MachineImage.generic_linux({region: ami_id}),
+            image_type=batch.EcsMachineImageType.ECS_AL2023,
+        )
+
+        self.launch_templates: dict[str, EfaLaunchTemplate] = {}
+        self.compute_environments: dict[str, batch.ManagedEc2EcsComputeEnvironment] = {}
+        for key, spec, max_instances, placement in (
+            ("training", config.training, config.max_nodes, placement_group),
+            ("single-node", config.single_node, config.single_node_max_instances, None),
+        ):
+            self._compute_environment(
+                key, spec=spec, max_instances=max_instances, placement_group=placement, config=config,
+                image=image, vpc=vpc, subnets=subnets, node_security_group=node_security_group,
+                fsx_dns_name=fsx_dns_name, fsx_mount_name=fsx_mount_name,
+            )
+
+        # -- Fair share ------------------------------------------------------------------
+        self.share_identifiers = config.share_identifiers
+        self.scheduling_policy = batch.FairshareSchedulingPolicy(
+            self,
+            "FairSharePolicy",
+            shares=[batch.Share(share_identifier=s.identifier, weight_factor=s.weight) for s in config.shares],
+            share_decay=Duration.seconds(config.share_decay_seconds),
+            compute_reservation=config.compute_reservation,
+        )
+
+        # -- Queues ------------------------------------------------------------------------
+        stuck = [
+            batch.JobStateTimeLimitAction(
+                max_time=Duration.minutes(config.runnable_timeout_minutes),
+                reason=reason,
+                action=batch.JobStateTimeLimitActionsAction.CANCEL,
+                state=batch.JobStateTimeLimitActionsState.RUNNABLE,
+            )
+            for reason in (
+                batch.JobStateTimeLimitActionsReason.INSUFFICIENT_INSTANCE_CAPACITY,
+                batch.JobStateTimeLimitActionsReason.COMPUTE_ENVIRONMENT_MAX_RESOURCE,
+                batch.JobStateTimeLimitActionsReason.JOB_RESOURCE_REQUIREMENT,
+            )
+        ]
+        self.queues: dict[str, batch.JobQueue] = {}
+        for name, (ce_key, priority) in QUEUES.items():
+            construct_name = "".join(part.capitalize() for part in name.split("-"))
+            self.queues[name] = batch.JobQueue(
+                self,
+                f"{construct_name}Queue",
+                compute_environments=[
+                    batch.OrderedComputeEnvironment(compute_environment=self.compute_environments[ce_key], order=1)
+                ],
+                priority=priority,
+                scheduling_policy=self.scheduling_policy,
+                job_state_time_limit_actions=stuck,
+            )
+
+    def _compute_environment(
+        self, key: str, *, spec: InstanceSpec, max_instances: int, placement_group: ec2.IPlacementGroup | None,
+        config: ComputeConfig, image: batch.EcsMachineImage, vpc: ec2.IVpc, subnets: ec2.SubnetSelection,
+        node_security_group: ec2.ISecurityGroup, fsx_dns_name: str, fsx_mount_name: str,
+    ) -> None:
+        prefix = "".join(part.capitalize() for part in key.split("-"))
+        template = EfaLaunchTemplate(
+            self, f"{prefix}LaunchTemplate", spec=spec, security_group=node_security_group,
+            root_volume_gib=config.root_volume_gib, min_driver=config.min_neuron_driver_version,
+            fsx_dns_name=fsx_dns_name, fsx_mount_name=fsx_mount_name,
+        )
+        has_interfaces = bool(template.interfaces)
+        ce = batch.ManagedEc2EcsComputeEnvironment(
+            self,
+            f"{prefix}ComputeEnvironment",
+            vpc=vpc,
+            vpc_subnets=subnets,
+            instance_types=[ec2.InstanceType(spec.name)],
+            use_optimal_instance_classes=False,
+            minv_cpus=0,
+            maxv_cpus=spec.vcpus * max_instances,
+            spot=False,
+            placement_group=placement_group,
+            launch_template=template.launch_template,
+            # With EFA interfaces the group lives on the interfaces (aws/aws-cdk#21577).
+            security_groups=[] if has_interfaces else [node_security_group],
+            images=[image],
+            instance_role=self.instance_role,
+            update_to_latest_image_version=False,  # the AMI is pinned in config
+            replace_compute_environment=False,
+            terminate_on_update=False,
+            update_timeout=Duration.minutes(30),
+        )
+        cfn = ce.node.default_child
+        assert isinstance(cfn, batch.CfnComputeEnvironment)
+        cfn.add_property_override(
+            "ComputeResources.LaunchTemplate.Version", template.launch_template.latest_version_number
+        )
+        if has_interfaces:
+            cfn.add_property_deletion_override("ComputeResources.SecurityGroupIds")
+        self.launch_templates[key] = template
+        self.compute_environments[key] = ce

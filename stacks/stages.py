@@ -1,0 +1,31 @@
+"""One deployment stage = the set of stacks built from one StageConfig."""
+
+from __future__ import annotations
+
+from aws_cdk import Environment, Stack, Tags
+from aws_cdk import aws_ecs as ecs
+from constructs import Construct
+
+from stacks.compute_stack import ComputeStack
+from stacks.config import StageConfig
+from stacks.network_stack import NetworkStack
+from stacks.storage_stack import StorageStack
+
+
+def build_stage(scope: Construct, cfg: StageConfig, *, image: ecs.ContainerImage | None = None) -> dict[str, Stack]:
+    """Create the stage's stacks under `scope` and return them by role: "network", "storage",
+    "compute". `image` replaces the training image asset (tests pass a registry image)."""
+    env = Environment(account=cfg.account, region=cfg.region)
+    prefix = f"{cfg.project}-{cfg.name}"
+    network = NetworkStack(scope, f"{prefix}-Network", config=cfg, env=env,
+                           description=f"{prefix}: VPC, training subnet, EFA/FSx security groups, endpoints")
+    storage = StorageStack(scope, f"{prefix}-Storage", config=cfg, network=network, env=env,
+                           description=f"{prefix}: KMS key, S3 buckets, FSx for Lustre (stateful, termination-protected)")
+    compute = ComputeStack(scope, f"{prefix}-Compute", config=cfg, network=network, storage=storage, image=image,
+                           env=env, description=f"{prefix}: AWS Batch on Trainium, job definitions, training image")
+    stacks: dict[str, Stack] = {"network": network, "storage": storage, "compute": compute}
+    for stack in stacks.values():
+        Tags.of(stack).add("project", cfg.project)
+        for key, value in cfg.tags.items():
+            Tags.of(stack).add(key, value)
+    return stacks

@@ -1,0 +1,99 @@
+"""Stateful resources: KMS key, buckets, FSx for Lustre. Termination-protected; construct ids of
+these resources are pinned by tests (renaming one would replace -- i.e. lose -- the data)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aws_cdk import Duration, RemovalPolicy, Stack
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_kms as kms
+from aws_cdk import aws_s3 as s3
+from cdk_nag import NagPackSuppression, NagSuppressions
+from constructs import Construct
+
+from stacks.config import StageConfig
+from stacks.constructs.fsx_lustre import LustreStorage
+from stacks.constructs.secure_bucket import access_log_bucket, secure_bucket
+from stacks.network_stack import NetworkStack
+
+
+class StorageStack(Stack):
+    """Public attributes: key, log_bucket, data_bucket, artifacts_bucket, cache_bucket,
+    file_system, lustre (the LustreStorage construct with the two associations)."""
+
+    def __init__(
+        self, scope: Construct, construct_id: str, *, config: StageConfig, network: NetworkStack, **kwargs: Any
+    ) -> None:
+        super().__init__(scope, construct_id, termination_protection=True, **kwargs)
+        storage = config.storage
+
+        self.key = kms.Key(
+            self,
+            "Key",
+            description=f"{config.project}-{config.name}: training data, artifacts, compile cache, FSx",
+            enable_key_rotation=True,
+            removal_policy=RemovalPolicy.RETAIN,
+        )
+        # FSx data repository associations read/write the SSE-KMS buckets as a per-file-system
+        # service-linked role (AWSServiceRoleForFSxS3Access_fs-...), whose managed policy has no
+        # KMS rights: allow it here, only via S3 and only from this account. A wildcard on the role
+        # name avoids a key -> file system dependency (the file system uses this key).
+        # https://docs.aws.amazon.com/fsx/latest/LustreGuide/s3-server-side-encryption-support.html
+        self.key.add_to_resource_policy(
+            iam.PolicyStatement(
+                sid="FsxDataRepositoryAccessViaS3",
+                principals=[iam.AnyPrincipal()],
+                actions=["kms:Encrypt", "kms:Decrypt", "kms:ReEncrypt*", "kms:GenerateDataKey*", "kms:DescribeKey"],
+                resources=["*"],
+                conditions={
+                    "StringEquals": {"kms:CallerAccount": self.account, "kms:ViaService": f"s3.{self.region}.amazonaws.com"},
+                    "ArnLike": {
+                        "aws:PrincipalArn": f"arn:{self.partition}:iam::{self.account}:role/aws-service-role/"
+                        "s3.data-source.lustre.fsx.amazonaws.com/AWSServiceRoleForFSxS3Access_*"
+                    },
+                },
+            )
+        )
+
+        self.log_bucket = access_log_bucket(self, "LogBucket", expiration_days=storage.access_log_expiration_days)
+        common = {
+            "key": self.key,
+            "log_bucket": self.log_bucket,
+            "noncurrent_version_expiration_days": storage.noncurrent_version_expiration_days,
+        }
+        # EventBridge on the data bucket: the pipeline's trigger listens for `_SUCCESS` markers.
+        self.data_bucket = secure_bucket(self, "DataBucket", event_bridge_enabled=True, **common)
+        self.artifacts_bucket = secure_bucket(self, "ArtifactsBucket", **common)
+        self.cache_bucket = secure_bucket(
+            self,
+            "CacheBucket",
+            extra_lifecycle_rules=[
+                s3.LifecycleRule(id="ExpireCacheEntries", expiration=Duration.days(storage.cache_expiration_days))
+            ],
+            **common,
+        )
+
+        self.lustre = LustreStorage(
+            self,
+            "Lustre",
+            config=storage,
+            vpc=network.vpc,
+            subnet=network.training_subnet,
+            security_group=network.fsx_security_group,
+            key=self.key,
+            data_bucket=self.data_bucket,
+            artifacts_bucket=self.artifacts_bucket,
+        )
+        self.file_system = self.lustre.file_system
+
+        NagSuppressions.add_resource_suppressions(
+            self.log_bucket,
+            [
+                NagPackSuppression(
+                    id="AwsSolutions-S1",
+                    reason="This is the server access log target of the other buckets; logging it into itself "
+                    "would create a feedback loop of log objects.",
+                )
+            ],
+        )
