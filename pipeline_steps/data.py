@@ -132,10 +132,15 @@ def _iter_parquet(path: Path) -> Iterator[RawRecord]:
         raise BadInputError(f"cannot read Parquet file {path}: {exc}; re-export or re-upload the shard "
                             f"(a truncated upload is the usual cause)") from None
     row = 0
-    for batch in parquet.iter_batches(batch_size=8192):
-        for value in batch.to_pylist():
-            row += 1
-            yield RawRecord(source, row, value)
+    try:
+        for batch in parquet.iter_batches(batch_size=8192):
+            for value in batch.to_pylist():
+                row += 1
+                yield RawRecord(source, row, value)
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:
+        # Parquet stores rows in compressed column chunks: a damaged chunk loses rows we cannot name.
+        raise BadInputError(f"cannot read Parquet file {path} after row {row}: {exc}; re-export or re-upload "
+                            f"the shard") from None
 
 
 def iter_records(files: Iterable[Path]) -> Iterator[RawRecord]:
