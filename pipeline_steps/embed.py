@@ -39,6 +39,7 @@ AWS:     AWS Batch array job (single-node job definition "embed"), one child per
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import json
@@ -180,7 +181,7 @@ def _run_batches(inference: InferenceModel, batches: Iterator[tuple[Any, ...]], 
     each batch; padding rows (index -1) get row 0's values and are dropped afterwards."""
     out = np.full((num_rows, width), np.nan, dtype=np.float32)
     world = inference.world
-    pending: list[np.ndarray] = []
+    pending: collections.deque[np.ndarray] = collections.deque()
 
     def as_dicts() -> Iterator[dict[str, torch.Tensor]]:
         for indices, ids, mask, _n_real in batches:
@@ -197,7 +198,7 @@ def _run_batches(inference: InferenceModel, batches: Iterator[tuple[Any, ...]], 
         for batch in distributed.device_batches(world, as_dicts()):
             result = forward(batch)
             distributed.mark_step(world)
-            indices = pending.pop(0)
+            indices = pending.popleft()
             real = indices >= 0
             out[indices[real]] = result.float().cpu().numpy()[real]
     if np.isnan(out).any():
@@ -367,6 +368,9 @@ def build_manifest(out_dir: Path, catalog_ids: Sequence[str], shard_count: int, 
 
     sidecars = [sidecar_path(out_dir, i, shard_count) for i in range(shard_count)]
     missing = [i for i, p in enumerate(sidecars) if not p.exists()]
+    if missing and not strict:
+        log.info("manifest: waiting for %d of %d shards (e.g. %s)", len(missing), shard_count, missing[:5])
+        return None
     if missing:
         return fail(BadInputError(
             f"{len(missing)} of {shard_count} shards are missing (indices {missing[:20]}); rerun "
@@ -393,7 +397,8 @@ def build_manifest(out_dir: Path, catalog_ids: Sequence[str], shard_count: int, 
             digest = sha256_file(part)
             ids = pq.read_table(part, columns=["id"]).column("id").to_pylist()
         except FileNotFoundError:
-            return fail(BadInputError(f"{part} is listed by its sidecar but missing; rerun shard {meta['shard_index']}"))
+            return fail(BadInputError(f"{part} is listed by its sidecar but missing; "
+                                      f"rerun shard {meta['shard_index']}"))
         except OSError as exc:  # an FSx/S3 hiccup while reading a file that exists
             raise RetryableError(f"could not read {part}: {exc}") from exc
         if digest != meta["sha256"] or len(ids) != meta["rows"]:
@@ -485,19 +490,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _remove_stale_temps(part)
         _remove_stale_temps(sidecar)
         backend = args.backend or distributed.default_backend()
+        extra: dict[str, Any] = {"row_start": start, "row_end": end, "backend": backend, "batch_size": args.batch_size}
+        t0 = time.monotonic()
         inference = load_for_inference(ckpt_path, backend)
         check_compatible(inference, prepared)
-        buckets = prepared.data_cfg.length_buckets
-        t0 = time.monotonic()
-        embeddings = embed_products(inference, prepared.products, np.arange(start, end), batch_size=args.batch_size,
-                                    buckets=buckets)
-        seconds = time.monotonic() - t0
-        extra: dict[str, Any] = {"row_start": start, "row_end": end, "backend": backend,
-                                 "batch_size": args.batch_size, "seconds": round(seconds, 3),
-                                 "rows_per_s": round((end - start) / seconds, 1) if seconds > 0 else None}
+        embeddings = embed_products(inference, prepared.products, np.arange(start, end),
+                                    batch_size=args.batch_size, buckets=prepared.data_cfg.length_buckets)
         graphs = distributed.compile_count(inference.world)
         if graphs is not None:
             extra["xla_graphs_compiled"] = graphs
+        seconds = time.monotonic() - t0
+        extra["seconds"] = round(seconds, 3)
+        extra["rows_per_s"] = round((end - start) / seconds, 1) if seconds > 0 else None
         meta = write_shard(out_dir, index, count, catalog_ids[start:end], embeddings,
                            checkpoint=ckpt_path, checkpoint_sha256=ckpt_sha, extra=extra)
         log.info("shard %d/%d: %d embeddings in %.1fs -> %s", index, count, end - start, seconds, part)

@@ -64,7 +64,7 @@ from . import distributed, metrics as metrics_lib
 from .embed import DEFAULT_BATCH_SIZE, InferenceModel, check_compatible, embed_products, embed_queries, \
     load_for_inference
 from .errors import BadConfigError, BadInputError, GateFailedError, RetryableError
-from .fileio import atomic_write_json, read_json
+from .fileio import atomic_write_json
 
 log = logging.getLogger(__name__)
 
@@ -249,6 +249,10 @@ def load_previous(source: str | None) -> dict[str, float] | None:
         document = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BadInputError(f"previous metrics {source} is not valid JSON ({exc}); fix or remove it") from None
+    if isinstance(document, dict) and document.get("passed") is False:
+        # A failed gate's metrics are a rejected model's, not production's: usually a wrong path.
+        log.warning("previous metrics %s come from a gate that FAILED; the production model's are in "
+                    "models/current.json", source)
     return extract_metrics(document, source)
 
 
@@ -369,7 +373,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="default: xla on a Trainium host, cuda with a GPU, else cpu")
     parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
     parser.add_argument("--previous-metrics", metavar="PATH_OR_S3_URI",
-                        help="previous production model's gate.json / metrics.json / current.json; missing = no previous")
+                        help="previous production model's gate.json / metrics.json / current.json "
+                             "(missing = no previous model)")
     parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
                         help="absolute regression allowance per metric (and the --compare parity bound)")
     parser.add_argument("--gate-metric", dest="gated", type=parse_gated, default=DEFAULT_GATED_METRICS,
@@ -480,6 +485,9 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
         evaluations[name] = evaluate_model(inference, prepared, holdout, batch_size=args.batch_size)
         sides[name] = {"checkpoint": str(inference.checkpoint), "checkpoint_sha256": inference.checkpoint_sha256,
                        "backend": backend, "metrics": evaluations[name].metrics}
+        graphs = distributed.compile_count(inference.world)
+        if graphs is not None:
+            sides[name]["xla_graphs_compiled"] = graphs
         del inference  # only one model in memory at a time
 
     a, b = evaluations["a"].metrics, evaluations["b"].metrics

@@ -143,8 +143,9 @@ def test_another_checkpoint_redoes_shards(trained_run: Path, caplog):
 
 def test_shard_defaults_come_from_the_array_job(trained_run: Path, monkeypatch):
     assert embed.resolve_shard(None, None, {}) == (0, 1)
-    assert embed.resolve_shard(None, None, {"AWS_BATCH_JOB_ARRAY_INDEX": "2", "AWS_BATCH_JOB_ARRAY_SIZE": "3"}) == (2, 3)
-    assert embed.resolve_shard(1, 2, {"AWS_BATCH_JOB_ARRAY_INDEX": "2", "AWS_BATCH_JOB_ARRAY_SIZE": "3"}) == (1, 2)
+    array_env = {"AWS_BATCH_JOB_ARRAY_INDEX": "2", "AWS_BATCH_JOB_ARRAY_SIZE": "3"}
+    assert embed.resolve_shard(None, None, array_env) == (2, 3)
+    assert embed.resolve_shard(1, 2, array_env) == (1, 2)  # flags win
     with pytest.raises(BadConfigError, match="AWS_BATCH_JOB_ARRAY_SIZE"):
         embed.resolve_shard(None, None, {"AWS_BATCH_JOB_ARRAY_INDEX": "2"})
     with pytest.raises(BadConfigError, match="shard index < shard count"):

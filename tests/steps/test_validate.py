@@ -11,6 +11,7 @@ from pipeline_steps import metrics as metrics_lib, validate
 from pipeline_steps.__main__ import main as cli
 from pipeline_steps.errors import BadConfigError, BadInputError
 from pipeline_steps.fileio import read_json
+from tests.steps.conftest import run_cli
 from tests.steps.fixtures_trained import checkpoint_at, tiny_trained, trained_run  # noqa: F401  fixtures
 
 RETRIEVAL_KEYS = ("recall@1", "recall@10", "recall@100", "mrr", "ndcg@10")
@@ -193,3 +194,19 @@ def test_compare_two_checkpoints_reports_deltas(trained_run: Path):
     assert report["embedding_agreement"]["products"]["mean_cosine"] < 0.9999  # different weights
     assert report["passed"] is (report["max_abs_delta"] <= 0.0)
     assert code == (0 if report["passed"] else 79)
+
+
+@pytest.mark.slow
+def test_compare_eager_cpu_with_xla_same_weights(trained_run: Path):
+    """M5's acceptance test: the same checkpoint scored on eager CPU and on XLA (PJRT CPU) agrees,
+    and XLA compiles one graph per product length bucket plus one for queries, not per batch."""
+    ckpt = checkpoint_at(trained_run, 4)
+    result = run_cli("validate", "--run-dir", trained_run, "--compare", ckpt, ckpt, "--backend", "cpu",
+                     "--backend-b", "xla", "--batch-size", "16")
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = read_json(trained_run / "validation" / "compare.json")
+    assert report["passed"] is True and report["b"]["backend"] == "xla"
+    assert report["embedding_agreement"]["products"]["min_cosine"] > 0.9999
+    assert report["embedding_agreement"]["queries"]["min_cosine"] > 0.9999
+    num_buckets = len(read_json(trained_run / "prepared" / "prepare.json")["data_config"]["length_buckets"])
+    assert report["b"]["xla_graphs_compiled"] <= num_buckets + 1
