@@ -419,7 +419,7 @@ def build_manifest(out_dir: Path, catalog_ids: Sequence[str], shard_count: int, 
     manifest = {
         "format_version": MANIFEST_FORMAT_VERSION,
         "shard_count": shard_count,
-        "total_rows": len(seen),
+        "total_count": len(seen),
         "embedding_dim": first["embedding_dim"],
         "embedding_dtype": "float32",
         "normalized": True,
@@ -431,7 +431,7 @@ def build_manifest(out_dir: Path, catalog_ids: Sequence[str], shard_count: int, 
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     atomic_write_json(out_dir / "manifest.json", manifest)
-    log.info("manifest: %d shards, %d embeddings of dim %d -> %s", shard_count, manifest["total_rows"],
+    log.info("manifest: %d shards, %d embeddings of dim %d -> %s", shard_count, manifest["total_count"],
              manifest["embedding_dim"], out_dir / "manifest.json")
     return manifest
 

@@ -51,7 +51,7 @@ def test_all_shards_give_a_manifest_with_every_product_once(trained_run: Path):
         assert _embed(trained_run, "--shard-index", index, "--shard-count", 4) == 0
 
     manifest = read_json(trained_run / "embeddings" / "manifest.json")
-    assert manifest["shard_count"] == 4 and manifest["total_rows"] == len(catalog)
+    assert manifest["shard_count"] == 4 and manifest["total_count"] == len(catalog)
     assert manifest["embedding_dim"] == EMBEDDING_DIM
     assert manifest["checkpoint_sha256"] == embed.resolve_checkpoint(trained_run)[1]
     assert [s["rows"] for s in manifest["shards"]] == [60, 60, 60, 60]
@@ -173,4 +173,4 @@ def test_merge_manifest_only(trained_run: Path, capsys):
     (trained_run / "embeddings" / "manifest.json").unlink()
     assert _embed(trained_run, "--merge-manifest-only") == 0
     manifest = read_json(trained_run / "embeddings" / "manifest.json")
-    assert manifest["shard_count"] == 3 and manifest["total_rows"] == 240
+    assert manifest["shard_count"] == 3 and manifest["total_count"] == 240
