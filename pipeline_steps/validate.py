@@ -377,8 +377,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "(missing = no previous model)")
     parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
                         help="absolute regression allowance per metric (and the --compare parity bound)")
-    parser.add_argument("--gate-metric", dest="gated", type=parse_gated, default=DEFAULT_GATED_METRICS,
-                        metavar="KEY[,KEY]", help="metrics that must not regress (default recall@10,ndcg@10)")
+    parser.add_argument("--gate-metric", default=",".join(DEFAULT_GATED_METRICS), metavar="KEY[,KEY]",
+                        help="metrics that must not regress (default %(default)s)")
     parser.add_argument("--floor", action="append", default=[], metavar="KEY=VALUE",
                         help="absolute minimum (a number, or 'bm25' = beat the baseline); repeatable")
     parser.add_argument("--floor-recall-at-10", type=float, default=None, metavar="X",
@@ -399,6 +399,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--tolerance is an absolute metric difference in [0, 1)")
     if args.gate_s3_uri:
         _split_s3(args.gate_s3_uri)
+    # Parsed after argparse so a bad value exits 78 with the fix-it, not argparse's generic message.
+    args.gated = parse_gated(args.gate_metric)
     args.floors = parse_floors(args.floor, args.floor_recall_at_10)
     return args
 
@@ -449,6 +451,9 @@ def run_validate(args: argparse.Namespace) -> dict[str, Any]:
     atomic_write_json(out_dir / "metrics.json", report)
 
     sanity = None if args.no_sanity_floor else SANITY_FACTOR * random[SANITY_METRIC]
+    if sanity is not None and sanity >= 1.0:
+        log.info("catalog of %d products is too small for the sanity floor; skipped", len(prepared.products.ids))
+        sanity = None
     passed, reasons, checks = decide_gate(evaluation.metrics, baseline=baseline, previous=previous, gated=args.gated,
                                           tolerance=args.tolerance, floors=args.floors, sanity_floor=sanity)
     gate = {

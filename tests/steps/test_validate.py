@@ -148,6 +148,7 @@ def test_bad_flags_and_previous_files(trained_run: Path):
         validate.parse_floors(["recall@10=high"], None)
     assert validate.parse_floors([], 0.3) == {"recall@10": 0.3}
     assert _validate(trained_run, "--floor", "nope=1") == 78
+    assert _validate(trained_run, "--gate-metric", "recall@10,loss") == 78
     bad = trained_run / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(BadInputError, match="not valid JSON"):
