@@ -6,8 +6,11 @@
 - `StallWatchdog`: a training job that stops emitting its progress heartbeat is terminated.
   No Lambda: EventBridge + a small Express state machine using SDK integrations.
     Batch "Job State Change" RUNNING (train job definition) -> put a per-job alarm on the
-      heartbeat metric (dimensions Stage + RunId, missing data = breaching, so a frozen process
-      that emits nothing fires it). Arming at RUNNING keeps queue wait out of the stall clock.
+      heartbeat metric (dimension Stage, missing data = breaching, so a frozen process that emits
+      nothing fires it). Arming at RUNNING keeps queue wait out of the stall clock.
+      Limitation: the heartbeat's only dimension is Stage, so while two Train jobs of one stage run
+      at once, the healthy one's heartbeat masks the stalled one (the in-process watchdog and the
+      Train state timeout still apply). A ["Stage", "RunId"] dimension set would make it per run.
     alarm -> ALARM ("CloudWatch Alarm State Change") -> batch:TerminateJob + notify.
     job SUCCEEDED/FAILED -> delete the per-job alarm.
   The in-process watchdog (pipeline_steps/watchdog.py) covers the common case by exiting with
@@ -41,12 +44,13 @@ from constructs import Construct
 from stacks.constructs.retention import retention_days
 from stacks.pipeline_config import PipelineConfig
 
-# Heartbeat contract with pipeline_steps/heartbeat.py (EMF in the train step's logs).
+# Heartbeat contract with pipeline_steps/heartbeat.py (EMF in the train step's logs): namespace,
+# metric names and the one dimension set [["Stage"]] (RunId is a property there, not a dimension).
 HEARTBEAT_NAMESPACE = "TrainiumEmbeddings"
-HEARTBEAT_STEP_METRIC = "TrainStep"  # the global step: progress, one datapoint per logged step
+HEARTBEAT_STEP_METRIC = "TrainStep"  # the global step: progress, one datapoint per heartbeat
 HEARTBEAT_LOSS_METRIC = "TrainLoss"
 HEARTBEAT_THROUGHPUT_METRIC = "TokensPerSecond"
-HEARTBEAT_DIMENSIONS = ("Stage", "RunId")
+HEARTBEAT_DIMENSIONS = ("Stage",)
 
 # jobStateTimeLimitActions reasons (Batch docs use these prefixes; the compute stack sets the text).
 RUNNABLE_TIMEOUT_REASON_PREFIXES = ("CAPACITY:", "MISCONFIGURATION:")
@@ -152,10 +156,7 @@ class StallWatchdog(Construct):
                 ),
                 "Namespace": HEARTBEAT_NAMESPACE,
                 "MetricName": HEARTBEAT_STEP_METRIC,
-                "Dimensions": [
-                    {"Name": "Stage", "Value": stage},
-                    {"Name": "RunId", "Value.$": "$.detail.parameters.run_id"},
-                ],
+                "Dimensions": [{"Name": "Stage", "Value": stage}],
                 "Statistic": "SampleCount",
                 "Period": 60,
                 "EvaluationPeriods": minutes,
@@ -166,13 +167,13 @@ class StallWatchdog(Construct):
                 "TreatMissingData": "breaching",
                 "AlarmActions": [topic.topic_arn],
             },
-            "ResultPath": None,
+            "ResultPath": "$.result",
         })
         disarm = sfn.CustomState(self, "DisarmStallAlarm", state_json={
             "Type": "Task",
             "Resource": "arn:aws:states:::aws-sdk:cloudwatch:deleteAlarms",
             "Parameters": {"AlarmNames.$": f"States.Array(States.Format('{self.alarm_prefix}/{{}}', $.detail.jobId))"},
-            "ResultPath": None,
+            "ResultPath": "$.result",
         })
         terminate = sfn.CustomState(self, "TerminateStalledJob", state_json={
             "Type": "Task",
@@ -181,7 +182,7 @@ class StallWatchdog(Construct):
                 "JobId.$": "States.ArrayGetItem(States.StringSplit($.detail.alarmName, '/'), 1)",
                 "Reason": f"No training progress heartbeat for {minutes} minutes (stall watchdog)",
             },
-            "ResultPath": None,
+            "ResultPath": "$.result",
         })
         notify = sfn.CustomState(self, "NotifyTerminated", state_json={
             "Type": "Task",
@@ -193,7 +194,7 @@ class StallWatchdog(Construct):
                              "States.ArrayGetItem(States.StringSplit($.detail.alarmName, '/'), 1), "
                              "$.detail.alarmName, $.detail.state.reason)",
             },
-            "ResultPath": None,
+            "ResultPath": "$.result",
         })
         retry = {"errors": ["States.TaskFailed"], "interval": Duration.seconds(2), "max_attempts": 3,
                  "backoff_rate": 2.0, "jitter_strategy": sfn.JitterType.FULL}
@@ -202,7 +203,7 @@ class StallWatchdog(Construct):
         arm.next(done)
         terminate.next(notify)
         notify.next(done)
-        disarm.add_catch(done, errors=["CloudWatch.ResourceNotFoundException"], result_path=None)
+        disarm.add_catch(done, errors=["CloudWatch.ResourceNotFoundException"], result_path="$.error")
         disarm.next(done)
 
         route = sfn.Choice(self, "Route")
@@ -299,7 +300,7 @@ class Monitoring(Construct):
                   f"EventBridge could not deliver events of rule {name} to its target.")
 
         def search(metric_name: str, stat: str) -> cw.MathExpression:
-            # One line per run: the heartbeat's dimensions are {Stage, RunId}.
+            # Every series of this stage in the heartbeat namespace.
             return cw.MathExpression(
                 expression=f"SEARCH('{{{HEARTBEAT_NAMESPACE},{','.join(HEARTBEAT_DIMENSIONS)}}} "
                            f"MetricName=\"{metric_name}\" Stage=\"{stage}\"', '{stat}', 300)",

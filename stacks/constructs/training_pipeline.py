@@ -286,7 +286,8 @@ class TrainingPipeline(Construct):
             "Type": "Task",
             "Resource": "arn:aws:states:::sns:publish",
             "Parameters": {"TopicArn": self._topic.topic_arn, "Subject": subject, "Message.$": message},
-            "ResultPath": None,
+            # Keep the run data for the next state (None cannot be expressed: jsii drops it).
+            "ResultPath": "$.notified",
         })
 
     def _submit(self, step: BatchStep) -> sfn.CustomState:

@@ -4,6 +4,10 @@ pipeline tests stay fast and independent of the Trainium compute details."""
 
 from __future__ import annotations
 
+import functools
+import json
+from dataclasses import dataclass
+
 from aws_cdk import App, Environment, Size, Stack
 from aws_cdk import aws_batch as batch
 from aws_cdk import aws_ecs as ecs
@@ -53,3 +57,61 @@ def build(config: PipelineConfig | None = None) -> tuple[PipelineStack, StandInD
 
 def template(config: PipelineConfig | None = None) -> Template:
     return Template.from_stack(build(config)[0])
+
+
+# ---- synthesized once per test session (a synth costs ~30 s of jsii start-up and CDK work) ------
+# Short retry intervals so the moto executions that exercise retries stay fast; the template
+# assertions check the same values come from the config.
+TEST_CONFIG = PipelineConfig(retry_interval_seconds=1, retry_max_delay_seconds=2, retry_max_attempts=3)
+
+
+@functools.lru_cache(maxsize=1)
+def synthesized() -> "Synthesized":
+    stack, deps = build(TEST_CONFIG)
+    return Synthesized(stack=stack, deps=deps, template=Template.from_stack(stack),
+                       deps_template=Template.from_stack(deps).to_json())
+
+
+@dataclass
+class Synthesized:
+    stack: PipelineStack
+    deps: StandInDependencies
+    template: Template
+    deps_template: dict
+
+    def logical_id(self, construct) -> str:
+        child = getattr(construct.node, "default_child", None) or construct
+        return Stack.of(construct).get_logical_id(child)
+
+    def state_machine(self, construct_path_fragment: str) -> tuple[str, dict]:
+        """(logical id, DefinitionString Fn::Join parts) of the state machine whose id contains the fragment."""
+        for logical_id, res in self.template.find_resources("AWS::StepFunctions::StateMachine").items():
+            if logical_id.startswith(construct_path_fragment):
+                return logical_id, res["Properties"]["DefinitionString"]
+        raise KeyError(construct_path_fragment)
+
+    def definition(self, fragment: str, values: dict[str, str]) -> dict:
+        """The ASL with every Ref/GetAtt/ImportValue replaced by `values` (keyed by logical id or
+        "<logical id>.<attribute>") or a pseudo parameter. Unresolved references raise KeyError."""
+        _, definition = self.state_machine(fragment)
+        exports = {out["Export"]["Name"]: out["Value"]
+                   for out in self.deps_template.get("Outputs", {}).values() if "Export" in out}
+        pseudo = {"AWS::Region": ENV.region, "AWS::AccountId": ENV.account, "AWS::Partition": "aws",
+                  "AWS::URLSuffix": "amazonaws.com"}
+
+        def resolve(token) -> str:
+            if isinstance(token, str):
+                return token
+            if "Ref" in token:
+                return pseudo.get(token["Ref"]) or values[token["Ref"]]
+            if "Fn::GetAtt" in token:
+                logical_id, attribute = token["Fn::GetAtt"]
+                return values[f"{logical_id}.{attribute}"]
+            if "Fn::ImportValue" in token:
+                return resolve(exports[token["Fn::ImportValue"]])
+            if "Fn::Join" in token:
+                sep, parts = token["Fn::Join"]
+                return sep.join(resolve(p) for p in parts)
+            raise KeyError(f"unsupported token {token}")
+
+        return json.loads(resolve(definition))

@@ -1,0 +1,145 @@
+"""Moto patches that let the synthesized pipeline definition run end to end (moto 5.2.5).
+
+Known gap (DESIGN.md section 4), checked against moto 5.2.5: the Step Functions interpreter runs
+`batch:submitJob.sync`, but `StateTaskServiceBatch._normalise_parameters/_normalise_response` are
+the base-class no-ops, so Step Functions-cased parameters (`JobName`, ...) reach botocore
+unconverted and the response is not converted back (`JobId`). The aws-sdk integration has the
+same no-op response hook, so an S3 GetObject `Body` stays a stream, and the `states:startExecution`
+integration stops after serialising `Input` (`StateMachineArn` reaches botocore as is). We fill those hooks with the
+conversions moto's base class already implements (`_to_boto_request` / `_from_boto_response`
+against the botocore operation shapes). Moto also silently drops SubmitJob fields it does not
+list (ShareIdentifier, SchedulingPriorityOverride, NodeOverrides); we let them through so they
+reach botocore's validation and are recorded for assertions. And moto names aws-sdk errors with
+the lower-case service ("s3.NoSuchKeyException") where Step Functions uses "S3.NoSuchKeyException"
+(https://docs.aws.amazon.com/step-functions/latest/dg/supported-services-awssdk.html), so we add
+the service-name bindings the definitions catch on.
+
+Test hooks on the returned `BatchHooks`:
+- `submitted`: every SubmitJob request as botocore received it (camelCase keys).
+- `fail_job_definitions`: job definition names whose jobs end FAILED (moto's batch_simple marks all
+  jobs SUCCEEDED unless MOTO_SIMPLE_BATCH_FAIL_AFTER is set; we set it per job).
+- `throttle_submits`: the next N SubmitJob calls raise TooManyRequestsException.
+Remove this module when moto fills the hooks itself.
+"""
+
+from __future__ import annotations
+
+import os
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from importlib.metadata import version
+from typing import Iterator
+from unittest import mock
+
+import boto3
+from botocore.exceptions import ClientError
+from moto.batch_simple.models import BatchSimpleBackend
+from moto.stepfunctions.parser.asl.component.state.exec.state_task.service import (
+    state_task_service_aws_sdk as aws_sdk_module,
+)
+from moto.stepfunctions.parser.asl.component.state.exec.state_task.service import (
+    state_task_service_batch as batch_module,
+)
+from moto.stepfunctions.parser.asl.component.state.exec.state_task.service import (
+    state_task_service_sfn as sfn_module,
+)
+
+PATCHED_FOR_MOTO = "5.2.5"
+
+
+@dataclass
+class BatchHooks:
+    submitted: list[dict] = field(default_factory=list)
+    fail_job_definitions: set[str] = field(default_factory=set)
+    throttle_submits: int = 0
+    throttled: int = 0
+
+
+def _pascal(name: str) -> str:
+    if "_" in name:
+        return "".join(part.capitalize() for part in name.split("_"))
+    return name[0].upper() + name[1:]
+
+
+def _operation(service: str, action: str):
+    model = boto3.session.Session().client(service, region_name="us-east-1").meta.service_model
+    return model.operation_model(_pascal(action))
+
+
+@contextmanager
+def patched_moto_batch() -> Iterator[BatchHooks]:
+    installed = version("moto")
+    assert installed.startswith(PATCHED_FOR_MOTO.rsplit(".", 1)[0]), (
+        f"moto {installed}: re-check the Batch integration gap this patch fills (written for {PATCHED_FOR_MOTO})")
+    hooks = BatchHooks()
+    service_cls = batch_module.StateTaskServiceBatch
+    sdk_cls = aws_sdk_module.StateTaskServiceAwsSdk
+
+    def normalise_parameters(self, parameters, boto_service_name=None, service_action_name=None):
+        op = _operation(self._get_boto_service_name(boto_service_name), service_action_name or self.resource.api_action)
+        self._to_boto_request(parameters, op.input_shape)
+
+    def normalise_response(self, response, boto_service_name=None, service_action_name=None):
+        op = _operation(self._get_boto_service_name(boto_service_name), service_action_name or self.resource.api_action)
+        self._from_boto_response(response, op.output_shape)
+
+    original_eval = service_cls._eval_service_task
+
+    def eval_service_task(self, env, resource_runtime_part, normalised_parameters, state_credentials):
+        if hooks.throttle_submits > 0:
+            hooks.throttle_submits -= 1
+            hooks.throttled += 1
+            raise ClientError({"Error": {"Code": "TooManyRequestsException", "Message": "Too Many Requests"},
+                               "ResponseMetadata": {"HTTPStatusCode": 429, "RequestId": "throttled"}}, "SubmitJob")
+        hooks.submitted.append(dict(normalised_parameters))
+        return original_eval(self, env, resource_runtime_part, normalised_parameters, state_credentials)
+
+    original_finish = BatchSimpleBackend._mark_job_as_finished
+
+    def mark_job_as_finished(self, include_start_attempt, job):
+        fail = job.job_definition.name in hooks.fail_job_definitions
+        with mock.patch.dict(os.environ, {"MOTO_SIMPLE_BATCH_FAIL_AFTER": "0"} if fail else {}):
+            if not fail:
+                os.environ.pop("MOTO_SIMPLE_BATCH_FAIL_AFTER", None)
+            original_finish(self, include_start_attempt, job)
+
+    sdk_original_response = sdk_cls._normalise_response
+
+    def sdk_normalise_response(self, response, boto_service_name=None, service_action_name=None):
+        # Only the stream -> string part matters here (GetObject Body); keys are already PascalCase.
+        if isinstance(response, dict):
+            for key, value in list(response.items()):
+                response[key] = self._from_boto_response_value(value)
+        return sdk_original_response(self, response, boto_service_name, service_action_name)
+
+    sfn_cls = sfn_module.StateTaskServiceSfn
+    sfn_original_parameters = sfn_cls._normalise_parameters
+
+    def sfn_normalise_parameters(self, parameters, boto_service_name=None, service_action_name=None):
+        sfn_original_parameters(self, parameters, boto_service_name, service_action_name)  # Input -> JSON
+        normalise_parameters(self, parameters, boto_service_name, service_action_name)
+
+    def sfn_normalise_response(self, response, boto_service_name=None, service_action_name=None):
+        # StartExecution returns startDate as a datetime, which moto cannot put in the state output.
+        normalise_response(self, response, boto_service_name, service_action_name)
+        if isinstance(response, dict):
+            for key, value in list(response.items()):
+                if hasattr(value, "isoformat"):
+                    response[key] = value.isoformat()
+
+    supported = dict(batch_module._SUPPORTED_API_PARAM_BINDINGS)
+    supported["submitjob"] = supported["submitjob"] | {"ShareIdentifier", "SchedulingPriorityOverride", "NodeOverrides"}
+    error_names = {**aws_sdk_module._SERVICE_ERROR_NAMES, "s3": "S3", "cloudwatch": "CloudWatch", "batch": "Batch"}
+    with mock.patch.object(aws_sdk_module, "_SERVICE_ERROR_NAMES", error_names), \
+            mock.patch.object(service_cls, "_normalise_parameters", normalise_parameters), \
+            mock.patch.object(service_cls, "_normalise_response", normalise_response), \
+            mock.patch.object(service_cls, "_eval_service_task", eval_service_task), \
+            mock.patch.object(sdk_cls, "_normalise_response", sdk_normalise_response), \
+            mock.patch.object(sfn_cls, "_normalise_parameters", sfn_normalise_parameters), \
+            mock.patch.object(sfn_cls, "_normalise_response", sfn_normalise_response), \
+            mock.patch.object(BatchSimpleBackend, "_mark_job_as_finished", mark_job_as_finished), \
+            mock.patch.object(batch_module, "_SUPPORTED_API_PARAM_BINDINGS", supported):
+        yield hooks
+
+
