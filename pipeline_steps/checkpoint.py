@@ -253,8 +253,9 @@ def latest(run_dir: str | os.PathLike) -> Path | None:
 
 
 def resolve(run_dir_or_checkpoint: str | os.PathLike) -> Path:
-    """A checkpoint file for --init-from / --checkpoint: a .pt file as given, or the latest valid
-    checkpoint of a run directory (or of a checkpoints directory). BadInputError when none."""
+    """A checkpoint file for --init-from / --checkpoint: a .pt file (or its manifest) as given, or
+    the latest valid checkpoint of a run directory (or of a checkpoints directory). BadInputError
+    when there is none."""
     given = Path(run_dir_or_checkpoint)
     if not given.exists():
         raise BadInputError(
@@ -262,7 +263,8 @@ def resolve(run_dir_or_checkpoint: str | os.PathLike) -> Path:
             "file such as RUN_DIR/checkpoints/step-000000120.pt"
         )
     if given.is_file():
-        return given
+        # A manifest names its checkpoint: accept either file of the pair.
+        return given.with_suffix(".pt") if _NAME.match(given.name) else given
     directory = checkpoint_dir(given) if checkpoint_dir(given).is_dir() else given
     found = _latest_in(directory)
     if found is not None:

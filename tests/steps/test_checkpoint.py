@@ -131,6 +131,7 @@ def test_round_trip_restores_weights_optimizer_scheduler_and_rng(tmp_path):
     assert loaded["config"]["preset"] == "tiny" and loaded["extra"] == {"note": "test"}
 
     rebuilt, state_again = checkpoint.load_model(tmp_path)  # a run dir resolves to its latest
+    assert checkpoint.resolve(path.with_suffix(".json")) == path == checkpoint.resolve(tmp_path / "checkpoints")
     assert not rebuilt.training and rebuilt.cfg == CFG and state_again["step"] == 20
     model.eval()
     assert torch.equal(embed(rebuilt, make_inputs(seed=4)), embed(model, make_inputs(seed=4)))
