@@ -71,6 +71,14 @@ def manifest_path(checkpoint: str | os.PathLike) -> Path:
     return Path(checkpoint).with_suffix(".json")
 
 
+def step_of(checkpoint: str | os.PathLike) -> int:
+    """The optimizer step in a checkpoint's file name (step-000000120.pt -> 120)."""
+    match = _NAME.match(Path(checkpoint).name)
+    if match is None:
+        raise ValueError(f"{checkpoint} is not named like a checkpoint (step-NNNNNNNNN.pt)")
+    return int(match.group(1))
+
+
 # ----------------------------------------------------------------------------- RNG state
 
 def rng_state() -> dict[str, Any]:

@@ -113,6 +113,7 @@ def test_round_trip_restores_weights_optimizer_scheduler_and_rng(tmp_path):
     expected_streams = draw_random_streams()
     path = checkpoint.save(tmp_path, state, keep=3)
     assert path == tmp_path / "checkpoints" / "step-000000020.pt"
+    assert checkpoint.step_of(path) == 20
 
     draw_random_streams()  # move every generator on
     loaded = checkpoint.load(path)
