@@ -98,10 +98,16 @@ def resolve_checkpoint(checkpoint_or_run_dir: str | os.PathLike) -> tuple[Path, 
     return path, sha256_file(path)
 
 
-def load_for_inference(checkpoint_or_run_dir: str | os.PathLike, backend: str) -> InferenceModel:
+def load_for_inference(checkpoint_or_run_dir: str | os.PathLike, backend: str, *,
+                       sha256: str | None = None) -> InferenceModel:
+    """`sha256`: the file's digest when the caller already has it (hashing a large checkpoint
+    on FSx costs seconds)."""
     from . import checkpoint
 
-    path, digest = resolve_checkpoint(checkpoint_or_run_dir)
+    if sha256 is None:
+        path, digest = resolve_checkpoint(checkpoint_or_run_dir)
+    else:
+        path, digest = Path(checkpoint_or_run_dir), sha256
     model, state = checkpoint.load_model(path)
     world = distributed.init(backend)
     model = model.to(world.device).eval()
@@ -492,7 +498,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         backend = args.backend or distributed.default_backend()
         extra: dict[str, Any] = {"row_start": start, "row_end": end, "backend": backend, "batch_size": args.batch_size}
         t0 = time.monotonic()
-        inference = load_for_inference(ckpt_path, backend)
+        inference = load_for_inference(ckpt_path, backend, sha256=ckpt_sha)
         check_compatible(inference, prepared)
         embeddings = embed_products(inference, prepared.products, np.arange(start, end),
                                     batch_size=args.batch_size, buckets=prepared.data_cfg.length_buckets)
