@@ -1,0 +1,238 @@
+"""Fine-grained assertions on the pipeline stack: definition, rules, schedule, alarms, dashboard."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from aws_cdk.assertions import Match
+from moto.events.models import EventPattern
+
+from pipeline_fixtures import TEST_CONFIG, synthesized
+from stacks.constructs.training_pipeline import BATCH_API_ERRORS, STEPS
+from stacks.pipeline_config import PipelineConfig
+
+FAKE = "X"  # every reference resolves to this: the assertions look at structure, not ARNs
+
+
+class _Anything(dict):
+    def __missing__(self, key):
+        return FAKE
+
+
+@pytest.fixture(scope="module")
+def syn():
+    return synthesized()
+
+
+@pytest.fixture(scope="module")
+def definition(syn):
+    return syn.definition("TrainingPipeline", _Anything())
+
+
+def _resources(syn, type_):
+    return syn.template.find_resources(type_)
+
+
+def test_batch_states_in_pipeline_order(definition):
+    states = definition["States"]
+    order, name = [], definition["StartAt"]
+    while name:
+        order.append(name)
+        state = states[name]
+        if state["Type"] == "Choice":  # follow the success branch
+            name = state["Choices"][0]["Next"] if name == "GatePassed" else state["Default"]
+            if name == "ReadCurrentModel":
+                order.append(name)
+                name = states[name]["Next"]
+        else:
+            name = state.get("Next")
+    batch = [n for n in order if n in {s.name for s in STEPS}]
+    assert batch == ["Prepare", "Sanity", "Compile", "Train", "Validate", "Embed"]
+    assert order.index("GatePassed") < order.index("Embed") < order.index("Publish")
+
+
+@pytest.mark.parametrize("step", [s.name for s in STEPS])
+def test_every_submit_is_sync_with_fair_share_retries_catch_and_timeout(definition, step):
+    state = definition["States"][step]
+    assert state["Resource"] == "arn:aws:states:::batch:submitJob.sync"
+    params = state["Parameters"]
+    assert params["ShareIdentifier.$"] == "$.run.share"
+    assert params["SchedulingPriorityOverride.$"] == "$.run.priority"
+    assert params["Parameters"]["run_id.$"] == "$.run_id"
+    assert params["Parameters"]["data_uri.$"] == "$.run.data_uri"
+    assert params["Parameters"]["init_from.$"] == "$.run.init_from"
+    (retry,) = state["Retry"]
+    assert sorted(retry["ErrorEquals"]) == sorted(BATCH_API_ERRORS)
+    assert retry["JitterStrategy"] == "FULL"
+    assert retry["BackoffRate"] == TEST_CONFIG.retry_backoff_rate
+    assert retry["IntervalSeconds"] == TEST_CONFIG.retry_interval_seconds
+    assert retry["MaxDelaySeconds"] == TEST_CONFIG.retry_max_delay_seconds
+    assert retry["MaxAttempts"] == TEST_CONFIG.retry_max_attempts
+    (catch,) = state["Catch"]
+    assert catch == {"ErrorEquals": ["States.ALL"], "ResultPath": f"$.failure.{step}", "Next": "NotifyFailure"}
+    assert state["TimeoutSeconds"] == TEST_CONFIG.timeout_minutes(step) * 60
+
+
+def test_multi_node_steps_share_node_count_and_queue(definition):
+    for step in ("Sanity", "Compile", "Train"):
+        params = definition["States"][step]["Parameters"]
+        assert params["NodeOverrides"] == {"NumNodes.$": "$.run.num_nodes"}
+        assert params["JobQueue.$"] == "$.run.training_queue"
+    embed = definition["States"]["Embed"]["Parameters"]
+    assert embed["ArrayProperties"] == {"Size.$": "$.run.embed_shards"}
+    assert "gate_s3_uri.$" in definition["States"]["Validate"]["Parameters"]["Parameters"]
+
+
+def test_defaults_come_from_config_and_input_wins(definition):
+    defaults = definition["States"]["Defaults"]["Result"]
+    assert defaults["num_nodes"] == TEST_CONFIG.default_num_nodes
+    assert defaults["share"] == TEST_CONFIG.production_share
+    assert defaults["priority"] == TEST_CONFIG.default_priority
+    assert defaults["embed_shards"] == TEST_CONFIG.embed_array_size
+    assert definition["States"]["ApplyDefaults"]["Parameters"]["run.$"] == \
+        "States.JsonMerge($.defaults, $$.Execution.Input, false)"
+
+
+def test_one_failure_path_notifies_then_fails(definition):
+    states = definition["States"]
+    catch_targets = {c["Next"] for s in states.values() for c in s.get("Catch", [])
+                     if c["ErrorEquals"] == ["States.ALL"]} - {"Failed"}
+    assert catch_targets == {"NotifyFailure"}
+    assert states["NotifyFailure"]["Resource"] == "arn:aws:states:::sns:publish"
+    assert states["NotifyFailure"]["Next"] == "Failed" and states["Failed"]["Type"] == "Fail"
+    # Only the Batch states retry, and only on the Batch API errors.
+    for name, state in states.items():
+        for retry in state.get("Retry", []):
+            assert sorted(retry["ErrorEquals"]) == sorted(BATCH_API_ERRORS), name
+
+
+def test_gate_is_a_visible_choice_and_rejection_skips_embed(definition):
+    gate = definition["States"]["GatePassed"]
+    assert gate["Type"] == "Choice" and gate["Default"] == "NotifyGateFailed"
+    assert gate["Choices"][0]["Next"] == "Embed"
+    assert definition["States"]["NotifyGateFailed"]["Next"] == "ModelRejected"
+    assert definition["States"]["ReadGate"]["Resource"] == "arn:aws:states:::aws-sdk:s3:getObject"
+    assert definition["States"]["Publish"]["Resource"] == "arn:aws:states:::aws-sdk:s3:putObject"
+    assert definition["States"]["Publish"]["Parameters"]["Key"] == "models/current.json"
+
+
+def test_state_machine_logs_all_to_encrypted_group_with_tracing(syn):
+    machines = _resources(syn, "AWS::StepFunctions::StateMachine")
+    assert len(machines) == 3
+    for machine in machines.values():
+        props = machine["Properties"]
+        assert props["TracingConfiguration"] == {"Enabled": True}
+        assert props["LoggingConfiguration"]["Level"] == "ALL"
+    for group in _resources(syn, "AWS::Logs::LogGroup").values():
+        assert "KmsKeyId" in group["Properties"]
+    syn.template.has_resource_properties("AWS::SNS::Topic", {"KmsMasterKeyId": Match.any_value()})
+
+
+def test_role_is_least_privilege(syn):
+    statements = [s for p in _resources(syn, "AWS::IAM::Policy").values()
+                  for s in p["Properties"]["PolicyDocument"]["Statement"]]
+    text = json.dumps(statements)
+    assert "StepFunctionsGetEventsForBatchJobsRule" in text
+    submit = [s for s in statements if s["Action"] == "batch:SubmitJob"]
+    assert submit and all("*" not in json.dumps(s["Resource"]) for s in submit)
+    star = [s for s in statements if s["Resource"] == "*"]
+    allowed = {"batch:DescribeJobs", "xray:PutTraceSegments", "xray:PutTelemetryRecords", "xray:GetSamplingRules",
+               "xray:GetSamplingTargets", "logs:CreateLogDelivery", "logs:GetLogDelivery", "logs:UpdateLogDelivery",
+               "logs:DeleteLogDelivery", "logs:ListLogDeliveries", "logs:PutResourcePolicy",
+               "logs:DescribeResourcePolicies", "logs:DescribeLogGroups"}
+    for s in star:
+        actions = s["Action"] if isinstance(s["Action"], list) else [s["Action"]]
+        assert set(actions) <= allowed, s
+    assert "models/current.json" in text and "validation/gate.json" in text
+    assert not [s for s in statements if "s3:*" in json.dumps(s["Action"])]
+
+
+def test_trigger_rule_matches_success_marker_only(syn):
+    rules = [r["Properties"] for r in _resources(syn, "AWS::Events::Rule").values()
+             if r["Properties"].get("EventPattern", {}).get("source") == ["aws.s3"]]
+    (rule,) = rules
+    # The bucket name is a cross-stack import; substitute the name the test events use.
+    pattern = rule["EventPattern"] | {"detail": {"bucket": {"name": ["data-bucket"]},
+                                                 "object": rule["EventPattern"]["detail"]["object"]}}
+    assert pattern["detail"]["object"] == {"key": [{"wildcard": "incoming/*/_SUCCESS"}]}
+
+    # moto 5.2.5 does not implement events:TestEventPattern, so use its EventBridge matcher
+    # (the one that routes put_events to rules) directly, wildcard filters included.
+    matcher = EventPattern.load(json.dumps(pattern))
+
+    def match(key: str) -> bool:
+        return matcher.matches_event({"source": "aws.s3", "detail-type": "Object Created",
+                                      "detail": {"bucket": {"name": "data-bucket"}, "object": {"key": key}}})
+
+    assert match("incoming/catalog/v1/_SUCCESS")
+    assert not match("incoming/catalog/v1/products/part-0.parquet")
+    assert not match("other/catalog/v1/_SUCCESS")
+    assert not match("incoming/catalog/v1/_SUCCESS.tmp")
+
+
+def test_stall_watchdog_and_runnable_rules(syn):
+    patterns = [r["Properties"]["EventPattern"] for r in _resources(syn, "AWS::Events::Rule").values()]
+    batch_rules = [p for p in patterns if p["source"] == ["aws.batch"]]
+    assert any(p["detail"].get("status") == ["RUNNING", "SUCCEEDED", "FAILED"] for p in batch_rules)
+    assert any(p["detail"].get("statusReason") == [{"prefix": "CAPACITY:"}, {"prefix": "MISCONFIGURATION:"}]
+               for p in batch_rules)
+    alarm_rules = [p for p in patterns if p["source"] == ["aws.cloudwatch"]]
+    assert alarm_rules[0]["detail"]["state"] == {"value": ["ALARM"]}
+    watchdog = syn.definition("StallWatchdog", _Anything())
+    arm = watchdog["States"]["ArmStallAlarm"]["Parameters"]
+    assert arm["MetricName"] == "TrainStep" and arm["Namespace"] == "TrainiumEmbeddings"
+    assert arm["TreatMissingData"] == "breaching"
+    assert arm["Period"] * arm["EvaluationPeriods"] == TEST_CONFIG.stall_timeout_minutes * 60
+    assert arm["Dimensions"] == [{"Name": "Stage", "Value": "dev"}]
+    assert watchdog["States"]["TerminateStalledJob"]["Resource"] == "arn:aws:states:::aws-sdk:batch:terminateJob"
+
+
+def test_canary_schedule_and_alarm(syn):
+    (schedule,) = _resources(syn, "AWS::Scheduler::Schedule").values()
+    props = schedule["Properties"]
+    assert props["ScheduleExpression"] == "rate(1 hour)"
+    assert ":scheduler:::aws-sdk:batch:submitJob" in json.dumps(props["Target"]["Arn"])
+    assert "ShareIdentifier" in json.dumps(props["Target"]["Input"])
+    syn.template.has_resource_properties("AWS::CloudWatch::Alarm", {
+        "MetricName": "TriggeredRules", "Namespace": "AWS/Events", "TreatMissingData": "breaching",
+        "ComparisonOperator": "LessThanThreshold", "Period": 7200, "AlarmActions": Match.any_value()})
+
+
+def test_every_alarm_notifies_the_topic(syn):
+    alarms = _resources(syn, "AWS::CloudWatch::Alarm")
+    assert len(alarms) >= 7
+    for alarm in alarms.values():
+        assert alarm["Properties"]["AlarmActions"], alarm
+
+
+def test_dashboard_has_the_operational_widgets(syn):
+    (dashboard,) = _resources(syn, "AWS::CloudWatch::Dashboard").values()
+    body = json.dumps(dashboard["Properties"]["DashboardBody"])
+    for title in ("Pipeline executions by status", "Per-step duration", "Queue activity", "Training loss",
+                  "Throughput tokens/s", "Alarms (incl. canary)"):
+        assert title in body
+    assert "TrainLoss" in body and "TokensPerSecond" in body
+
+
+def test_canary_can_be_disabled():
+    from pipeline_fixtures import template
+    t = template(PipelineConfig(canary_interval_minutes=None))
+    t.resource_count_is("AWS::Scheduler::Schedule", 0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"default_num_nodes": 0}, "default_num_nodes"),
+    ({"default_priority": 10_000}, "default_priority"),
+    ({"embed_array_size": 1}, "embed_array_size"),
+    ({"production_share": "has space"}, "production_share"),
+    ({"canary_interval_minutes": 1}, "canary_interval_minutes"),
+    ({"stall_timeout_minutes": 2}, "stall_timeout_minutes"),
+    ({"incoming_prefix": "/incoming"}, "incoming_prefix"),
+    ({"notification_email": "nobody"}, "notification_email"),
+    ({"retry_backoff_rate": 0.5}, "retry_backoff_rate"),
+    ({"train_timeout_minutes": 0}, "train_timeout_minutes"),
+])
+def test_config_validation_has_fix_it_messages(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PipelineConfig(**kwargs)
