@@ -105,7 +105,11 @@ class ComputeStack(Stack):
                     "'/*' object ARN (step outputs, gate reports, compile-cache entries are arbitrary keys) and the "
                     "grant action groups (s3:GetObject*, s3:List*, kms:GenerateDataKey*, ...) are CDK's minimal sets.",
                     applies_to=[
-                        RegexAppliesTo(regex=r"/^Resource::<(Data|Artifacts|Cache)Bucket[0-9A-F]+\.Arn>\/\*$/g"),
+                        # The bucket ARNs ("<XBucket.Arn>/*", or the cross-stack export when the account is set).
+                        RegexAppliesTo(
+                            regex=r"/^Resource::(<|.*ExportsOutputFnGetAtt)(Data|Artifacts|Cache)Bucket[0-9A-F]+"
+                            r"(\.Arn>|Arn[0-9A-F]+)\/\*$/g"
+                        ),
                         RegexAppliesTo(regex=r"/^Action::s3:(GetBucket|GetObject|List|Abort|DeleteObject|PutObject)\*$/g"),
                         RegexAppliesTo(regex=r"/^Action::kms:(GenerateDataKey|ReEncrypt)\*$/g"),
                     ],

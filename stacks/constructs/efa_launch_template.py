@@ -83,18 +83,23 @@ def network_interfaces(spec: InstanceSpec, security_group_id: str) -> list[dict[
     ]
 
 
+def node_boot_script(spec: InstanceSpec, *, min_driver: str, fsx_dns_name: str, fsx_mount_name: str) -> str:
+    """The boot checks + FSx mount (bash, without the shebang UserData.for_linux adds)."""
+    return _USER_DATA.format(
+        efa=spec.efa_interfaces,
+        neuron=spec.neuron_devices,
+        min_driver=min_driver,
+        fsx_dns=fsx_dns_name,
+        fsx_mount_name=fsx_mount_name,
+        mount_point=FSX_MOUNT_POINT,
+    )
+
+
 def node_user_data(spec: InstanceSpec, *, min_driver: str, fsx_dns_name: str, fsx_mount_name: str) -> ec2.MultipartUserData:
-    """The boot checks + FSx mount as a MIME multi-part document."""
+    """The boot script as a MIME multi-part document (what Batch requires in launch templates)."""
     shell = ec2.UserData.for_linux()
     shell.add_commands(
-        _USER_DATA.format(
-            efa=spec.efa_interfaces,
-            neuron=spec.neuron_devices,
-            min_driver=min_driver,
-            fsx_dns=fsx_dns_name,
-            fsx_mount_name=fsx_mount_name,
-            mount_point=FSX_MOUNT_POINT,
-        )
+        node_boot_script(spec, min_driver=min_driver, fsx_dns_name=fsx_dns_name, fsx_mount_name=fsx_mount_name)
     )
     multipart = ec2.MultipartUserData()
     multipart.add_user_data_part(shell, ec2.MultipartBody.SHELL_SCRIPT, True)

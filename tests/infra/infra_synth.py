@@ -1,0 +1,61 @@
+"""Build a stage's stacks the way the tests and the review tooling see them.
+
+Shared by tests/infra/conftest.py (session fixtures) and scripts/infra_diff.py (snapshot diff),
+so the committed snapshots, the tests and the reviewer's diff are the same synthesis:
+a fixed account, the stage's pinned region, cdk.json's feature flags, and a registry image in
+place of the training image asset (so asset hashes never churn the snapshots).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+# jsii's Node.js end-of-life banner would drown the test output (Node 20 on CI boxes).
+os.environ.setdefault("JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION", "20")
+os.environ.setdefault("JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION", "1")
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import aws_cdk as cdk  # noqa: E402
+from aws_cdk import aws_ecs as ecs  # noqa: E402
+from cdk_nag import AwsSolutionsChecks  # noqa: E402
+
+from stacks.config import StageConfig, get_stage  # noqa: E402
+from stacks.stages import build_stage  # noqa: E402
+
+TEST_ACCOUNT = "123456789012"
+TEST_IMAGE = "public.ecr.aws/neuron/pytorch-training-neuronx:2.9.0-neuronx-py312-sdk2.30.0-ubuntu24.04"
+SNAPSHOT_DIR = Path(__file__).resolve().parent / "snapshots"
+
+
+def cdk_json_context() -> dict[str, Any]:
+    return dict(json.loads((REPO_ROOT / "cdk.json").read_text())["context"])
+
+
+def stage_config(name: str) -> StageConfig:
+    return get_stage(name).with_env(account=TEST_ACCOUNT)
+
+
+def build(name: str, *, nag: bool = True, outdir: str | None = None) -> tuple[cdk.App, dict[str, cdk.Stack]]:
+    """A new App with the stage's stacks (registry image injected), cdk-nag attached."""
+    app = cdk.App(context=cdk_json_context(), outdir=outdir)
+    stacks = build_stage(app, stage_config(name), image=ecs.ContainerImage.from_registry(TEST_IMAGE))
+    if nag:
+        cdk.Aspects.of(app).add(AwsSolutionsChecks())
+    return app, stacks
+
+
+def snapshot_path(stack: cdk.Stack) -> Path:
+    return SNAPSHOT_DIR / f"{stack.stack_name}.json"
+
+
+def template_json(app: cdk.App, stack: cdk.Stack) -> dict[str, Any]:
+    """The synthesized template of `stack` (synthesizes the app once, then cached by CDK)."""
+    assembly = app.synth()
+    return dict(assembly.get_stack_by_name(stack.stack_name).template)

