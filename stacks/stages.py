@@ -9,6 +9,7 @@ from constructs import Construct
 from stacks.compute_stack import ComputeStack
 from stacks.config import StageConfig
 from stacks.network_stack import NetworkStack
+from stacks.pipeline_stack import PipelineStack
 from stacks.storage_stack import StorageStack
 
 
@@ -24,6 +25,10 @@ def build_stage(scope: Construct, cfg: StageConfig, *, image: ecs.ContainerImage
     compute = ComputeStack(scope, f"{prefix}-Compute", config=cfg, network=network, storage=storage, image=image,
                            env=env, description=f"{prefix}: AWS Batch on Trainium, job definitions, training image")
     stacks: dict[str, Stack] = {"network": network, "storage": storage, "compute": compute}
+    stacks["pipeline"] = PipelineStack(
+        scope, f"{prefix}-Pipeline", config=cfg.pipeline, stage=cfg.name, data_bucket=storage.data_bucket,
+        artifacts_bucket=storage.artifacts_bucket, queues=compute.queues, job_definitions=compute.job_definitions,
+        env=env, description=f"{prefix}: training pipeline state machine, new-data trigger, canary, alarms, dashboard")
     for stack in stacks.values():
         Tags.of(stack).add("project", cfg.project)
         for key, value in cfg.tags.items():

@@ -216,7 +216,7 @@ class TrainingPipeline(Construct):
                 "checkpoint.$": "States.Format('/fsx/runs/{}', $.run_id)",
                 "checkpoint_s3_uri.$": "States.Format('s3://" + artifacts_bucket.bucket_name + "/runs/{}/checkpoints/', $.run_id)",
                 "embeddings_uri.$": "States.Format('/fsx/runs/{}/embeddings', $.run_id)",
-                "metrics.$": "$.gate.report",
+                "metrics.$": "$.gate.report.metrics",  # the flat metric dict (validate reads it back)
                 "dataset.$": "$.run.dataset",
                 "data_version.$": "$.run.version",
                 "published_at.$": "$$.State.EnteredTime",

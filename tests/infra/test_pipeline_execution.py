@@ -101,7 +101,7 @@ def test_happy_path_visits_every_state_in_order_and_publishes(aws):
     assert visited == HAPPY_PATH
     pointer = json.loads(aws.s3.get_object(Bucket=ARTIFACTS, Key="models/current.json")["Body"].read())
     assert pointer["run_id"] == "run-1" and pointer["checkpoint"] == "/fsx/runs/run-1"
-    assert pointer["data_version"] == "v1" and pointer["metrics"]["passed"] is True
+    assert pointer["data_version"] == "v1" and pointer["metrics"] == {"recall@10": 0.5}
     assert pointer["checkpoint_s3_uri"] == f"s3://{ARTIFACTS}/runs/run-1/checkpoints/"
     # Every submission carries the fair-share fields and the run parameters.
     steps = [s["jobName"] for s in aws.hooks.submitted]
