@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 
-from .errors import ExitCode, StepError
+from .errors import ExitCode, StepError, record_exit_code
 
 STEPS: dict[str, tuple[str, str]] = {
     "prepare": ("pipeline_steps.prepare", "validate records, train the tokenizer, write static-shape shards + holdout"),
@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     except StepError as exc:
         logging.getLogger(f"pipeline_steps.{step}").error("%s (exit %d: %s)", exc, exc.exit_code,
                                                           exc.exit_code.name.lower())
+        record_exit_code(exc.exit_code)
         return int(exc.exit_code)
     return int(code or ExitCode.OK)
 

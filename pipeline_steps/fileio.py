@@ -35,6 +35,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tmp_name)
     try:
         yield tmp
+        # mkstemp creates 0600; outputs on shared FSx are read by other jobs' users.
+        os.chmod(tmp, 0o644)
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)

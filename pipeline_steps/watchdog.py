@@ -42,7 +42,7 @@ import time
 from datetime import datetime, timezone
 from typing import Callable
 
-from .errors import ExitCode
+from .errors import ExitCode, record_exit_code
 
 log = logging.getLogger(__name__)
 
@@ -184,4 +184,5 @@ class Watchdog:
         reporter = threading.Thread(target=self._report, args=(message,), name="stall-report", daemon=True)
         reporter.start()
         reporter.join(timeout=REPORT_GRACE_S)
+        record_exit_code(self.exit_code)
         os._exit(self.exit_code)

@@ -1,0 +1,47 @@
+"""Shared fixtures: the tiny demo data prepared once per session, copied into each test's run dir."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("PJRT_DEVICE", "CPU")
+    env.setdefault("PIPELINE_LOG_LEVEL", "INFO")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 600,
+            torchrun: int | None = None) -> subprocess.CompletedProcess:
+    """Run `python -m pipeline_steps ...` (or under torchrun with N processes) as a user would."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}",
+                "-m", "pipeline_steps"] if torchrun else [sys.executable, "-m", "pipeline_steps"]
+    return subprocess.run([*launcher, *map(str, args)], env=env or cli_env(), capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
+
+
+@pytest.fixture(scope="session")
+def tiny_prepared(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("tiny-prepared")
+    result = run_cli("prepare", "--run-dir", run_dir, "--demo", "--preset", "tiny")
+    assert result.returncode == 0, result.stderr
+    return run_dir
+
+
+@pytest.fixture
+def tiny_run(tiny_prepared: Path, tmp_path: Path) -> Path:
+    """A fresh run dir holding a copy of the prepared tiny demo data."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(tiny_prepared, run_dir)
+    return run_dir
