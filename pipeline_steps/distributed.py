@@ -282,6 +282,27 @@ def initialize_compile_cache(world: World, path: str) -> None:
         _compile_cache_open = True
 
 
+NEURON_CACHE_BASE_ENV = "NEURON_COMPILE_CACHE_URL_BASE"
+
+
+def neuron_cache_url(base: str | None) -> str | None:
+    """The Neuron persistent cache location for this compiler: `<base>/neuronx-cc-<version>/`.
+
+    Keyed by compiler version so an image upgrade never loads NEFFs built by another neuronx-cc
+    (DESIGN.md section 5). `compile` and `train` must agree on it, or training recompiles."""
+    if not base:
+        return None
+    return f"{base.rstrip('/')}/neuronx-cc-{versions().get('neuronx-cc') or 'unknown'}/"
+
+
+def configure_neuron_cache(base: str | None = None) -> str | None:
+    """Point the Neuron runtime at the versioned cache (unless NEURON_COMPILE_CACHE_URL is set)."""
+    url = neuron_cache_url(base or os.environ.get(NEURON_CACHE_BASE_ENV))
+    if url and neuron_available():
+        os.environ.setdefault("NEURON_COMPILE_CACHE_URL", url)
+    return os.environ.get("NEURON_COMPILE_CACHE_URL")
+
+
 # ----------------------------------------------------------------------------- versions
 
 def versions() -> dict[str, str | None]:

@@ -63,6 +63,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bf16", action="store_true", default=None, help="bfloat16 weights (xla backend)")
     parser.add_argument("--stall-timeout-s", type=float, default=None,
                         help="exit with the retryable code when no step completes for this long")
+    parser.add_argument("--no-progress", action="store_true", help="plain log lines even on a terminal")
 
 
 def resolve_train_config(args: argparse.Namespace) -> TrainConfig:
@@ -423,9 +424,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline_steps train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_args(parser)
-    parser.add_argument("--no-progress", action="store_true", help="plain log lines even on a terminal")
     args = parser.parse_args(argv)
     cfg = resolve_train_config(args)
+    dist_lib.configure_neuron_cache()  # the same versioned cache `compile` filled (Trainium only)
     world = dist_lib.init(args.backend or dist_lib.default_backend())
     try:
         if world.is_xla:
