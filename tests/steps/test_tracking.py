@@ -1,0 +1,98 @@
+"""Tracking: one MLflow run per pipeline run with a child per step, in DIR/mlruns by default;
+never breaks a step (mlflow missing, backend unreachable); only rank 0 logs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import pytest
+
+pytest.importorskip("mlflow")
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+from pipeline_steps import tracking  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "RANK", "AWS_BATCH_JOB_NODE_INDEX",
+                 "PIPELINE_RUN_ID", "AWS_BATCH_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(tracking, "_warned", False)
+
+
+def _runs(run_dir):
+    client = MlflowClient(tracking_uri=(run_dir / "mlruns").resolve().as_uri())
+    exp = client.get_experiment_by_name(tracking.DEFAULT_EXPERIMENT)
+    return client, client.search_runs([exp.experiment_id])
+
+
+def test_steps_become_children_of_one_run_named_after_the_run_dir(tmp_path, monkeypatch):
+    run_dir = tmp_path / "catalog-2026-01-05"
+    (run_dir / "prepared").mkdir(parents=True)
+    (run_dir / "prepared" / "prepare.json").write_text(json.dumps({"input_sha256": "abc123"}))
+    monkeypatch.setenv("INSTANCE_TYPE", "trn1.32xlarge")
+    monkeypatch.setenv("AWS_BATCH_JOB_NUM_NODES", "4")
+    monkeypatch.setenv("TRAINING_IMAGE_DIGEST", "sha256:feed")
+    prepare = tracking.log_step("prepare", run_dir, params={"preset": "tiny"}, metrics={"pairs.good": 90})
+    train = tracking.log_step("train", run_dir, metrics={"final_loss": 0.5, "recall@10": 0.9, "skipped": None},
+                              config={"train": {"lr": 0.001}},
+                              history=[("loss", 1.0 / (i + 1), i) for i in range(2500)])
+    assert prepare and train
+
+    client, runs = _runs(run_dir)
+    by_name = {r.info.run_name: r for r in runs}
+    parent = by_name["catalog-2026-01-05"]
+    assert parent.data.tags[tracking.RUN_ID_TAG] == "catalog-2026-01-05"
+    for step in ("prepare", "train"):
+        assert by_name[step].data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert by_name[step].info.status == "FINISHED"
+    params = by_name["train"].data.params
+    # the reproducibility set
+    assert params["data_manifest_sha256"] == "abc123" and params["instance_type"] == "trn1.32xlarge"
+    assert params["num_nodes"] == "4" and params["image_digest"] == "sha256:feed"
+    assert "version.torch" in params and params["config.train.lr"] == "0.001"
+    assert by_name["train"].data.metrics["recall_at_10"] == 0.9
+    # the loss curve is kept, thinned to a bounded number of points, last point included
+    history = client.get_metric_history(train, "loss")
+    assert 500 <= len(history) <= 1001 and history[-1].step == 2499
+
+
+def test_default_store_is_inside_the_run_dir_and_a_second_step_finds_the_parent(tmp_path):
+    run_dir = tmp_path / "r1"
+    run_dir.mkdir()
+    tracking.log_step("prepare", run_dir)
+    pointer = json.loads((run_dir / tracking.POINTER_FILE).read_text())
+    assert pointer["tracking_uri"] == (run_dir / "mlruns").resolve().as_uri()
+    tracking.log_step("sanity", run_dir)
+    parent = tracking.log_pipeline(run_dir, metrics={"cost.total_usd": 0.0})
+    assert parent == pointer["mlflow_run_id"]
+    _, runs = _runs(run_dir)
+    assert len([r for r in runs if "mlflow.parentRunId" not in r.data.tags]) == 1
+
+
+def test_unreachable_backend_warns_once_and_the_step_goes_on(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # nothing listens on port 9
+    with caplog.at_level(logging.WARNING, logger="pipeline_steps.tracking"):
+        assert tracking.log_step("prepare", tmp_path) is None
+        assert tracking.log_step("train", tmp_path) is None
+    warnings = [r for r in caplog.records if "tracking disabled" in r.getMessage()]
+    assert len(warnings) == 1 and "127.0.0.1:9" in warnings[0].getMessage()
+
+
+def test_mlflow_not_installed_warns_and_returns(tmp_path, monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "mlflow.tracking", None)  # import raises ImportError
+    with caplog.at_level(logging.WARNING, logger="pipeline_steps.tracking"):
+        assert tracking.log_step("prepare", tmp_path) is None
+    assert "mlflow is not installed" in caplog.text
+    assert not (tmp_path / "mlruns").exists()
+
+
+@pytest.mark.parametrize("env,logs", [({"RANK": "1"}, False), ({"RANK": "0"}, True),
+                                      ({"AWS_BATCH_JOB_NODE_INDEX": "1", "AWS_BATCH_JOB_MAIN_NODE_INDEX": "0"}, False),
+                                      ({"AWS_BATCH_JOB_NODE_INDEX": "0", "AWS_BATCH_JOB_MAIN_NODE_INDEX": "0"}, True),
+                                      ({}, True)])
+def test_only_rank_zero_of_the_main_node_logs(env, logs):
+    assert tracking.is_logging_process(env) is logs
