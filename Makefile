@@ -10,6 +10,9 @@ PRESET ?= small
 BACKEND ?= cpu
 
 .PHONY: demo test venv synth infra-diff snapshots bench clean
+# jsii (the CDK's Node bridge) warns on every run about Node 20's end of life; the warning is noise here.
+export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
+STAGE ?= dev
 
 # torch==2.9.0 + torch-xla==2.9.0 (the last Neuron training image's versions) come from the
 # `local` extra; the PyPI wheel pulls ~7 GB of CUDA libraries once.
@@ -21,14 +24,25 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-demo: $(STAMP) synth
+# The whole pipeline on the bundled demo data, then the CloudFormation templates. Rerunning is
+# cheap: every step resumes or skips what its run dir already holds.
+demo: $(STAMP)
 	$(PY) -m pipeline_steps run-local --run-dir $(RUN_DIR) --preset $(PRESET) --backend $(BACKEND)
+	$(MAKE) --no-print-directory synth
 
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# Offline and deterministic: writes cdk.out/ for the stage (`make synth STAGE=prod`).
 synth: $(STAMP)
-	$(PY) app.py
+	CDK_CONTEXT_JSON='{"stage":"$(STAGE)"}' $(PY) app.py
+
+# For reviewers: what the current code changes against the committed template snapshots.
+infra-diff: $(STAMP)
+	$(PY) scripts/infra_diff.py
+
+snapshots: $(STAMP)
+	$(PY) scripts/infra_diff.py --update
 
 bench: $(STAMP)
 	$(PY) -m pipeline_steps bench --quick --out bench.json

@@ -1,0 +1,40 @@
+"""run-local end to end on the tiny preset, on both backends: the README's main command."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline_steps.fileio import read_json
+
+from .conftest import run_cli
+
+
+@pytest.mark.parametrize("backend", ["cpu", "xla"])
+def test_run_local_chains_every_step_and_reports(tmp_path: Path, backend: str) -> None:
+    run_dir = tmp_path / backend
+    result = run_cli("run-local", "--run-dir", run_dir, "--preset", "tiny", "--backend", backend, timeout=1200)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = read_json(run_dir / "report.json")
+    names = [s["name"] for s in report["steps"]]
+    assert names[:5] == ["prepare", "sanity", "compile", "train", "validate"]
+    assert names[5:] and all(n.startswith("embed") for n in names[5:])
+    assert all(s["status"] == "passed" and s["seconds"] > 0 for s in report["steps"])
+
+    validation = report["validation"]
+    assert set(validation["metrics"]) >= {"recall@1", "recall@10", "recall@100", "mrr", "ndcg@10"}
+    assert set(validation["baseline"]) >= {"recall@10", "ndcg@10"}
+    assert validation["gate"]["passed"] is True
+
+    products = read_json(run_dir / "prepared" / "prepare.json")
+    assert report["embeddings"]["count"] == sum(pq.read_metadata(p).num_rows
+                                                for p in Path(report["embeddings"]["path"]).glob("part-*.parquet"))
+    assert report["embeddings"]["count"] > 0
+    assert "quality gate: PASSED" in result.stderr
+    if backend == "xla":
+        assert report["xla"]["graphs_compiled"] > 0
+        assert report["xla"]["compiles_after_warmup"] == 0
+        assert report["xla"]["graphs_not_in_compile_cache"] == 0, "training traced a graph compile did not"
+    assert products["status"] == "ok"
