@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Entrypoint of the training image: maps AWS Batch (multi-node) variables to torchrun and execs
+# Entrypoint of the training image: maps AWS Batch (multi-node) variables to torchrun and runs
 # the pipeline step. Usage (the job definition's command):
 #     entrypoint.sh <step> --run-dir /fsx/runs/<run_id> [flags...]
 #
@@ -16,6 +16,18 @@
 # Batch parameters cannot be optional: a flag whose value is the empty string is dropped, and an
 # argument still containing "Ref::" (a parameter nobody supplied) is refused with exit 78.
 # No sysctl: the container is unprivileged.
+#
+# Exit-code contract (AWS Batch retries exit code 75 through the job definitions' evaluateOnExit):
+# the container exits with the step's own exit code (pipeline_steps/errors.py ExitCode).
+# - Plain python steps are exec'd: their code is the container's.
+# - torchrun exits 1 whenever a worker fails, whatever the worker's code. So for `sanity` and
+#   `train` this script exports PIPELINE_EXIT_CODE_FILE (a fresh node-local path), where the first
+#   failing rank records its code (pipeline_steps.errors.record_exit_code; the stall watchdog
+#   records 75 before it exits), runs torchrun as a child and, when torchrun fails, exits with the
+#   recorded code if there is one, else with torchrun's. torchrun success = 0.
+# - SIGTERM/SIGINT (Batch TerminateJob, attempt timeouts; docker-init delivers them to this script)
+#   are forwarded to torchrun as SIGTERM, which stops its workers; this script then waits for it and
+#   exits as above.
 set -euo pipefail
 
 readonly EX_CONFIG=78  # pipeline_steps.errors BadConfigError
@@ -85,10 +97,44 @@ fi
 
 echo "entrypoint: step=${step} node ${node_rank}/${nnodes} master=${master_addr} nproc=${nproc}" >&2
 
+# -- torchrun steps: run as a child, forward signals, exit with the recorded step code ----------
+run_torchrun() {
+  local code_dir status recorded
+  # A fresh directory per launch: the exit-code file must not exist yet (the first rank to fail
+  # creates it with O_EXCL), and node-local so ranks of other nodes never see it.
+  code_dir="$(mktemp -d "${TMPDIR:-/tmp}/pipeline-exit.XXXXXX")"
+  export PIPELINE_EXIT_CODE_FILE="${code_dir}/exit_code"
+  rm -f "$PIPELINE_EXIT_CODE_FILE"
+  read -r -a torchrun_args <<<"$TORCHRUN_ARGS"
+
+  # Background children of a non-interactive shell ignore SIGINT, so both signals go on as TERM
+  # (torchrun stops its workers on TERM).
+  child=""
+  trap 'if [ -n "$child" ]; then kill -TERM "$child" 2>/dev/null || true; fi' TERM INT
+  torchrun "${torchrun_args[@]}" -m pipeline_steps "$step" "$@" &
+  child=$!
+  # `wait` returns early (status > 128) when a trapped signal arrives: keep waiting until the
+  # child has really exited, then take its status.
+  while :; do
+    if wait "$child"; then status=0; else status=$?; fi
+    kill -0 "$child" 2>/dev/null || break
+  done
+  trap - TERM INT
+
+  if [ "$status" -ne 0 ] && [ -s "$PIPELINE_EXIT_CODE_FILE" ]; then
+    recorded="$(head -n 1 "$PIPELINE_EXIT_CODE_FILE" | tr -cd '0-9')"
+    if [[ "$recorded" =~ ^[0-9]{1,3}$ ]] && [ "$recorded" -ge 1 ] && [ "$recorded" -le 255 ]; then
+      echo "entrypoint: torchrun exited ${status}; a worker recorded exit code ${recorded}" >&2
+      status="$recorded"
+    fi
+  fi
+  rm -rf "$code_dir"
+  return "$status"
+}
+
 case "$step" in
   sanity | train)
-    read -r -a torchrun_args <<<"$TORCHRUN_ARGS"
-    exec torchrun "${torchrun_args[@]}" -m pipeline_steps "$step" "${args[@]}"
+    if run_torchrun "${args[@]}"; then exit 0; else exit $?; fi
     ;;
   *)
     exec python -m pipeline_steps "$step" "${args[@]}"

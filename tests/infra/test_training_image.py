@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -145,3 +147,71 @@ def test_entrypoint_is_strict_and_has_no_sysctl():
     assert "set -euo pipefail" in text
     assert "sysctl " not in text.replace("# No sysctl", "")
     assert os.access(ENTRYPOINT, os.X_OK)
+
+
+# -- entrypoint.sh: torchrun exit codes and signals ---------------------------------------------
+def _fake_torchrun(fake_bin: Path, body: str) -> None:
+    script = fake_bin / "torchrun"
+    script.write_text("#!/usr/bin/env bash\n" + body)
+    script.chmod(0o755)
+
+
+def _torchrun_env(tmp_path: Path) -> dict[str, str]:
+    tmpdir = tmp_path / "node-tmp"
+    tmpdir.mkdir(exist_ok=True)
+    return {"TMPDIR": str(tmpdir), "AWS_BATCH_JOB_NUM_NODES": "2", "AWS_BATCH_JOB_NODE_INDEX": "0"}
+
+
+def test_torchrun_steps_get_a_fresh_node_local_exit_code_file(fake_bin, tmp_path):
+    _fake_torchrun(fake_bin, 'test ! -e "$PIPELINE_EXIT_CODE_FILE" || exit 9\necho "$PIPELINE_EXIT_CODE_FILE"\n')
+    env = _torchrun_env(tmp_path)
+    result = _run(fake_bin, ["train", "--run-dir", "/fsx/runs/r1"], env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().startswith(env["TMPDIR"] + "/")
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    # A worker recorded the retryable code; torchrun itself always says 1.
+    ('echo 75 > "$PIPELINE_EXIT_CODE_FILE"\nexit 1\n', 75),
+    ('echo 80 > "$PIPELINE_EXIT_CODE_FILE"\nexit 1\n', 80),
+    # Nothing recorded (a crash with a traceback): torchrun's own code.
+    ("exit 1\n", 1),
+    # Success wins over a stray record.
+    ('echo 75 > "$PIPELINE_EXIT_CODE_FILE"\nexit 0\n', 0),
+    # A garbled record is ignored.
+    ('echo oops > "$PIPELINE_EXIT_CODE_FILE"\nexit 1\n', 1),
+])
+@pytest.mark.parametrize("step", ["train", "sanity"])
+def test_entrypoint_exits_with_the_recorded_worker_code(fake_bin, tmp_path, body, expected, step):
+    _fake_torchrun(fake_bin, body)
+    result = _run(fake_bin, [step, "--run-dir", "/fsx/runs/r1"], _torchrun_env(tmp_path))
+    assert result.returncode == expected, result.stderr
+
+
+def test_entrypoint_forwards_sigterm_to_torchrun(fake_bin, tmp_path):
+    """Batch TerminateJob / attempt timeout: SIGTERM reaches torchrun, the entrypoint waits for it
+    and exits with what the workers recorded (here: the watchdog-style 75)."""
+    started, got_term = tmp_path / "started", tmp_path / "got-term"
+    _fake_torchrun(fake_bin, (
+        f'trap \'touch "{got_term}"; echo 75 > "$PIPELINE_EXIT_CODE_FILE"; exit 1\' TERM\n'
+        f'touch "{started}"\n'
+        "for _ in $(seq 1 300); do sleep 0.1; done\n"
+        "exit 3\n"
+    ))
+    base = {"PATH": f"{fake_bin}:/usr/bin:/bin", "NPROC_PER_NODE": "32", "HOME": "/tmp"}
+    proc = subprocess.Popen(["bash", str(ENTRYPOINT), "train", "--run-dir", "/fsx/runs/r1"],
+                            env={**base, **_torchrun_env(tmp_path)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(100):
+            if started.exists():
+                break
+            time.sleep(0.05)
+        assert started.exists(), "fake torchrun never started"
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert got_term.exists(), "SIGTERM was not forwarded to torchrun"
+    assert proc.returncode == 75, stderr
