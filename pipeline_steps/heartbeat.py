@@ -3,22 +3,31 @@
 Why: a hung collective never fails by itself, and a frozen process cannot run its own watchdog
 (`pipeline_steps.watchdog`). So the trainer prints one EMF JSON line per heartbeat; AWS Batch's
 awslogs driver ships stdout to CloudWatch Logs, which extracts the metrics (no agent, no boto3,
-no extra dependency on the node), and an alarm fires when `TrainStep` stops arriving.
+no extra dependency on the node), and an alarm fires when `TrainStep` of this run stops arriving.
 
 The metric contract (the orchestration stack's alarms and dashboard use exactly these names):
 
     Namespace   TrainiumEmbeddings
-    Dimensions  [["Stage"]]                 Stage = env PIPELINE_STAGE (default "local")
+    Dimensions  [["Stage"], ["Stage", "RunId"]]
+                Stage = env PIPELINE_STAGE (default "local"; the job definitions set the stage name)
+                RunId = env PIPELINE_RUN_ID (default "local"; training_image/entrypoint.sh sets it to
+                        the basename of --run-dir, i.e. the Batch parameter `run_id` of
+                        /fsx/runs/Ref::run_id, which is the Step Functions execution name)
     Metrics     TrainStep        Count          the optimizer step just completed
                 TrainLoss        None           training loss of that step (omitted when not finite)
                 TokensPerSecond  Count/Second   training throughput (all ranks together)
-    Properties  RunId = env PIPELINE_RUN_ID (default "local"), plus any extra keyword properties
-                (searchable in Logs Insights, not metrics: no extra cost, no cardinality issue).
+    Properties  any extra keyword properties (searchable in Logs Insights, not metrics).
+
+Every value is published twice: per stage (["Stage"]: stage-wide graphs) and per run
+(["Stage", "RunId"]). The per-job stall alarm (stacks/constructs/monitoring.py StallWatchdog) reads
+the per-run series with RunId = the job's `run_id` parameter, so a healthy run of the same stage
+can never hide a stalled one. Cost: 3 custom metrics per run, billed only in the hours a run
+publishes them.
 
 One line looks like (a single line in the log):
 
     {"_aws": {"Timestamp": 1767225600000, "CloudWatchMetrics": [{"Namespace": "TrainiumEmbeddings",
-     "Dimensions": [["Stage"]], "Metrics": [{"Name": "TrainStep", "Unit": "Count"},
+     "Dimensions": [["Stage"], ["Stage", "RunId"]], "Metrics": [{"Name": "TrainStep", "Unit": "Count"},
      {"Name": "TrainLoss", "Unit": "None"}, {"Name": "TokensPerSecond", "Unit": "Count/Second"}]}]},
      "Stage": "prod", "RunId": "run-2026-01-01", "TrainStep": 120, "TrainLoss": 0.41,
      "TokensPerSecond": 183000.0}
@@ -46,6 +55,9 @@ from typing import Any, Mapping, TextIO
 
 NAMESPACE = "TrainiumEmbeddings"
 DIMENSION = "Stage"
+RUN_ID_DIMENSION = "RunId"
+# Per stage and per run (module docstring); the stall alarm uses the second.
+DIMENSION_SETS: tuple[tuple[str, ...], ...] = ((DIMENSION,), (DIMENSION, RUN_ID_DIMENSION))
 METRIC_STEP = "TrainStep"
 METRIC_LOSS = "TrainLoss"
 METRIC_TOKENS_PER_S = "TokensPerSecond"
@@ -61,7 +73,7 @@ ENV_FORCE = "PIPELINE_HEARTBEAT"
 DEFAULT_STAGE = "local"
 DEFAULT_RUN_ID = "local"
 
-_RESERVED = {"_aws", DIMENSION, "RunId"} | {name for name, _ in METRICS}
+_RESERVED = {"_aws", DIMENSION, RUN_ID_DIMENSION} | {name for name, _ in METRICS}
 
 
 def enabled_by_env(environ: Mapping[str, str] | None = None) -> bool:
@@ -97,12 +109,12 @@ def emf_record(
             "Timestamp": int(time.time() * 1000) if timestamp_ms is None else int(timestamp_ms),
             "CloudWatchMetrics": [{
                 "Namespace": NAMESPACE,
-                "Dimensions": [[DIMENSION]],
+                "Dimensions": [list(dimension_set) for dimension_set in DIMENSION_SETS],
                 "Metrics": [{"Name": name, "Unit": unit} for name, unit in METRICS if name in values],
             }],
         },
         DIMENSION: stage,
-        "RunId": run_id,
+        RUN_ID_DIMENSION: run_id,
     }
     if loss is not None and METRIC_LOSS not in values:
         record["TrainLossNotFinite"] = str(loss)  # visible in Logs Insights, not a metric

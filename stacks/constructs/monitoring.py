@@ -6,11 +6,13 @@
 - `StallWatchdog`: a training job that stops emitting its progress heartbeat is terminated.
   No Lambda: EventBridge + a small Express state machine using SDK integrations.
     Batch "Job State Change" RUNNING (train job definition) -> put a per-job alarm on the
-      heartbeat metric (dimension Stage, missing data = breaching, so a frozen process that emits
-      nothing fires it). Arming at RUNNING keeps queue wait out of the stall clock.
-      Limitation: the heartbeat's only dimension is Stage, so while two Train jobs of one stage run
-      at once, the healthy one's heartbeat masks the stalled one (the in-process watchdog and the
-      Train state timeout still apply). A ["Stage", "RunId"] dimension set would make it per run.
+      heartbeat metric of that run (dimensions Stage + RunId; missing data = breaching, so a frozen
+      process that emits nothing fires it). Arming at RUNNING keeps queue wait out of the stall clock.
+      RunId: the only run identity the event carries is the job's Batch parameters
+      ($.detail.parameters.run_id), and it is exactly what the job emits: the job definitions run
+      `--run-dir /fsx/runs/Ref::run_id`, training_image/entrypoint.sh exports PIPELINE_RUN_ID =
+      basename of --run-dir, and pipeline_steps/heartbeat.py publishes it as the RunId dimension.
+      So a healthy concurrent run of the same stage cannot hide a stalled one.
     alarm -> ALARM ("CloudWatch Alarm State Change") -> batch:TerminateJob + notify.
     job SUCCEEDED/FAILED -> delete the per-job alarm.
   The in-process watchdog (pipeline_steps/watchdog.py) covers the common case by exiting with
@@ -45,12 +47,18 @@ from stacks.constructs.retention import retention_days
 from stacks.pipeline_config import PipelineConfig
 
 # Heartbeat contract with pipeline_steps/heartbeat.py (EMF in the train step's logs): namespace,
-# metric names and the one dimension set [["Stage"]] (RunId is a property there, not a dimension).
+# metric names and the dimension sets [["Stage"], ["Stage", "RunId"]]. The stall alarm and the
+# per-run dashboard graphs use the per-run set. (Duplicated, not imported: the stacks must not
+# import the training package.)
 HEARTBEAT_NAMESPACE = "TrainiumEmbeddings"
 HEARTBEAT_STEP_METRIC = "TrainStep"  # the global step: progress, one datapoint per heartbeat
 HEARTBEAT_LOSS_METRIC = "TrainLoss"
 HEARTBEAT_THROUGHPUT_METRIC = "TokensPerSecond"
-HEARTBEAT_DIMENSIONS = ("Stage",)
+HEARTBEAT_STAGE_DIMENSION = "Stage"
+HEARTBEAT_RUN_DIMENSION = "RunId"
+HEARTBEAT_RUN_DIMENSIONS = (HEARTBEAT_STAGE_DIMENSION, HEARTBEAT_RUN_DIMENSION)
+# Where the Batch "Job State Change" event carries the run id: the job's `run_id` parameter.
+JOB_EVENT_RUN_ID_PATH = "$.detail.parameters.run_id"
 
 # jobStateTimeLimitActions reasons (Batch docs use these prefixes; the compute stack sets the text).
 RUNNABLE_TIMEOUT_REASON_PREFIXES = ("CAPACITY:", "MISCONFIGURATION:")
@@ -152,11 +160,15 @@ class StallWatchdog(Construct):
                 "AlarmName.$": f"States.Format('{self.alarm_prefix}/{{}}', $.detail.jobId)",
                 "AlarmDescription.$": (
                     f"States.Format('No training progress ({HEARTBEAT_STEP_METRIC}) for {minutes} minutes from "
-                    "Batch job {} of run {}; the watchdog terminates the job.', $.detail.jobId, $.detail.parameters.run_id)"
+                    f"Batch job {{}} of run {{}}; the watchdog terminates the job.', $.detail.jobId, {JOB_EVENT_RUN_ID_PATH})"
                 ),
                 "Namespace": HEARTBEAT_NAMESPACE,
                 "MetricName": HEARTBEAT_STEP_METRIC,
-                "Dimensions": [{"Name": "Stage", "Value": stage}],
+                # This run's series only (see the module docstring for why the values match).
+                "Dimensions": [
+                    {"Name": HEARTBEAT_STAGE_DIMENSION, "Value": stage},
+                    {"Name": HEARTBEAT_RUN_DIMENSION, "Value.$": JOB_EVENT_RUN_ID_PATH},
+                ],
                 "Statistic": "SampleCount",
                 "Period": 60,
                 "EvaluationPeriods": minutes,
@@ -210,7 +222,11 @@ class StallWatchdog(Construct):
         # Multi-node jobs also emit one event per node (with nodeDetails); watch the parent only.
         route.when(sfn.Condition.is_present("$.detail.nodeDetails"), sfn.Succeed(self, "IgnoreNodeEvent"))
         route.when(sfn.Condition.string_equals("$.source", "aws.cloudwatch"), terminate)
-        route.when(sfn.Condition.string_equals("$.detail.status", "RUNNING"), arm)
+        # A train job without a run_id parameter cannot start (the entrypoint refuses the literal
+        # Ref::run_id with exit 78), so there is no run to watch.
+        route.when(sfn.Condition.and_(sfn.Condition.string_equals("$.detail.status", "RUNNING"),
+                                      sfn.Condition.is_present(JOB_EVENT_RUN_ID_PATH)), arm)
+        route.when(sfn.Condition.string_equals("$.detail.status", "RUNNING"), sfn.Succeed(self, "NoRunIdToWatch"))
         route.otherwise(disarm)
 
         self.state_machine = express_state_machine(
@@ -300,10 +316,10 @@ class Monitoring(Construct):
                   f"EventBridge could not deliver events of rule {name} to its target.")
 
         def search(metric_name: str, stat: str) -> cw.MathExpression:
-            # Every series of this stage in the heartbeat namespace.
+            # One line per run of this stage (the per-run dimension set).
             return cw.MathExpression(
-                expression=f"SEARCH('{{{HEARTBEAT_NAMESPACE},{','.join(HEARTBEAT_DIMENSIONS)}}} "
-                           f"MetricName=\"{metric_name}\" Stage=\"{stage}\"', '{stat}', 300)",
+                expression=f"SEARCH('{{{HEARTBEAT_NAMESPACE},{','.join(HEARTBEAT_RUN_DIMENSIONS)}}} "
+                           f"MetricName=\"{metric_name}\" {HEARTBEAT_STAGE_DIMENSION}=\"{stage}\"', '{stat}', 300)",
                 using_metrics={}, label=metric_name, period=period)
 
         self.dashboard = cw.Dashboard(self, "Dashboard", default_interval=Duration.days(7))

@@ -184,7 +184,13 @@ def test_stall_watchdog_and_runnable_rules(syn):
     assert arm["MetricName"] == "TrainStep" and arm["Namespace"] == "TrainiumEmbeddings"
     assert arm["TreatMissingData"] == "breaching"
     assert arm["Period"] * arm["EvaluationPeriods"] == TEST_CONFIG.stall_timeout_minutes * 60
-    assert arm["Dimensions"] == [{"Name": "Stage", "Value": "dev"}]
+    # Per run: the job's run_id parameter is the RunId the heartbeat of that job publishes, so a
+    # healthy concurrent run of the same stage cannot keep a stalled one's alarm quiet.
+    assert arm["Dimensions"] == [{"Name": "Stage", "Value": "dev"},
+                                 {"Name": "RunId", "Value.$": "$.detail.parameters.run_id"}]
+    route = watchdog["States"]["Route"]["Choices"]
+    arming = [c for c in route if c["Next"] == "ArmStallAlarm"]
+    assert len(arming) == 1 and {"Variable": "$.detail.parameters.run_id", "IsPresent": True} in arming[0]["And"]
     assert watchdog["States"]["TerminateStalledJob"]["Resource"] == "arn:aws:states:::aws-sdk:batch:terminateJob"
 
 
@@ -213,6 +219,8 @@ def test_dashboard_has_the_operational_widgets(syn):
                   "Throughput tokens/s", "Alarms (incl. canary)"):
         assert title in body
     assert "TrainLoss" in body and "TokensPerSecond" in body
+    # Loss/throughput/progress graphs: one line per run (the per-run dimension set).
+    assert body.count("{TrainiumEmbeddings,Stage,RunId}") == 3
 
 
 def test_canary_can_be_disabled():

@@ -47,7 +47,8 @@ def test_one_valid_emf_line_per_call_with_the_documented_names():
     assert_valid_emf(record)
     (directive,) = record["_aws"]["CloudWatchMetrics"]
     assert directive["Namespace"] == "TrainiumEmbeddings"
-    assert directive["Dimensions"] == [["Stage"]]
+    # Per stage and per run: the per-job stall alarm reads the ["Stage", "RunId"] series.
+    assert directive["Dimensions"] == [["Stage"], ["Stage", "RunId"]]
     assert directive["Metrics"] == [
         {"Name": "TrainStep", "Unit": "Count"},
         {"Name": "TrainLoss", "Unit": "None"},
@@ -61,6 +62,8 @@ def test_one_valid_emf_line_per_call_with_the_documented_names():
 def test_module_constants_match_the_contract():
     assert heartbeat.NAMESPACE == "TrainiumEmbeddings"
     assert heartbeat.DIMENSION == "Stage"
+    assert heartbeat.RUN_ID_DIMENSION == "RunId"
+    assert heartbeat.DIMENSION_SETS == (("Stage",), ("Stage", "RunId"))
     assert [name for name, _ in heartbeat.METRICS] == ["TrainStep", "TrainLoss", "TokensPerSecond"]
 
 
@@ -109,3 +112,17 @@ def test_non_finite_loss_is_left_out_of_the_metrics_but_visible():
 def test_extra_properties_cannot_overwrite_metrics():
     with pytest.raises(ValueError, match="TrainLoss"):
         emf_record(stage="s", run_id="r", step=1, properties={"TrainLoss": 3})
+
+
+def test_run_id_dimension_comes_from_the_environment_the_entrypoint_sets():
+    """RunId is a dimension value (a string member), so the per-run series exists for the alarm."""
+    line, _ = emit_one({**BATCH_ENV, "PIPELINE_RUN_ID": "exec-2026-01-01"}, step=3)
+    record = json.loads(line)
+    assert_valid_emf(record)
+    assert record["RunId"] == "exec-2026-01-01"
+    assert ["Stage", "RunId"] in record["_aws"]["CloudWatchMetrics"][0]["Dimensions"]
+
+
+def test_run_id_cannot_be_overwritten_by_a_property():
+    with pytest.raises(ValueError, match="RunId"):
+        emf_record(stage="s", run_id="r", step=1, properties={"RunId": "other"})
