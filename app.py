@@ -1,16 +1,26 @@
 #!/usr/bin/env python3
 """CDK app: the only place that reads the outside world (context, environment).
 
-    npx cdk synth -c stage=prod          # or: python app.py (synthesizes into cdk.out)
-    -c stage=NAME      dev (default, cdk.json) or prod: stacks/config.py STAGES
-    -c region=R / -c account=A, else CDK_DEFAULT_REGION / CDK_DEFAULT_ACCOUNT (set by the cdk CLI
-    from your credentials), else the stage's defaults (region pinned, account-agnostic).
+Choosing the stage (context key `stage`, default "dev" from cdk.json; stacks/config.py STAGES):
+
+    npx cdk synth -c stage=prod                                   # the cdk CLI
+    CDK_CONTEXT_JSON='{"stage":"prod"}' python app.py             # plain python (what `make synth` runs)
+
+The cdk CLI hands its context (cdk.json + every `-c key=value`) to the app in the environment
+variable CDK_CONTEXT_JSON, and `cdk.App` reads it (over cdk.json's defaults, which this file also
+loads so plain python synthesizes exactly what `cdk synth` does). `python app.py -c stage=prod`
+would be silently ignored by plain python -- so this app refuses command-line arguments instead.
+
+Other context keys: region / account (else CDK_DEFAULT_REGION / CDK_DEFAULT_ACCOUNT, which the
+cdk CLI sets from your credentials, else the stage's defaults: region pinned, account-agnostic),
+nag=false to skip cdk-nag. The output goes to $CDK_OUTDIR (set by the cdk CLI) or ./cdk.out.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import aws_cdk as cdk
@@ -19,26 +29,49 @@ from cdk_nag import AwsSolutionsChecks
 from stacks.config import get_stage
 from stacks.stages import build_stage
 
+USAGE = (
+    "app.py takes no arguments; pass context the way the cdk CLI does:\n"
+    "    CDK_CONTEXT_JSON='{\"stage\":\"prod\"}' python app.py      (or: npx cdk synth -c stage=prod)"
+)
+
 
 def cdk_json_context() -> dict[str, object]:
     """cdk.json's context (feature flags, default stage), so `python app.py` synthesizes exactly
-    what `cdk synth` does; context from the CLI (-c) still overrides these defaults."""
+    what `cdk synth` does; CDK_CONTEXT_JSON (the CLI's -c values) still overrides these defaults."""
     return dict(json.loads((Path(__file__).parent / "cdk.json").read_text())["context"])
 
 
-def main() -> None:
-    # The cdk CLI sets CDK_OUTDIR; plain `python app.py` writes to ./cdk.out (not a temp dir).
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv:
+        print(f"app.py: unexpected arguments {argv}.\n{USAGE}", file=sys.stderr)
+        return 2
+    # cdk.App applies CDK_CONTEXT_JSON on top of the context given here. The cdk CLI sets
+    # CDK_OUTDIR; plain `python app.py` writes to ./cdk.out (not a temp dir).
     app = cdk.App(context=cdk_json_context(), outdir=os.environ.get("CDK_OUTDIR") or "cdk.out")
-    stage = get_stage(str(app.node.try_get_context("stage") or "dev"))
-    cfg = stage.with_env(
-        account=app.node.try_get_context("account") or os.environ.get("CDK_DEFAULT_ACCOUNT"),
-        region=app.node.try_get_context("region") or os.environ.get("CDK_DEFAULT_REGION"),
-    )
-    build_stage(app, cfg)
+    try:
+        stage = get_stage(str(app.node.try_get_context("stage") or "dev"))
+        cfg = stage.with_env(
+            account=app.node.try_get_context("account") or os.environ.get("CDK_DEFAULT_ACCOUNT"),
+            region=app.node.try_get_context("region") or os.environ.get("CDK_DEFAULT_REGION"),
+        )
+        build_stage(app, cfg)
+    except ValueError as exc:  # config validation: the message carries the fix
+        print(f"app.py: {exc}", file=sys.stderr)
+        return 1
     if str(app.node.try_get_context("nag") or "true").lower() != "false":
         cdk.Aspects.of(app).add(AwsSolutionsChecks(verbose=True))
-    app.synth()
+    assembly = app.synth()
+    # The cdk CLI prints annotations; plain python would not, so warnings (e.g. an unpinned AMI)
+    # are printed here too.
+    for artifact in assembly.stacks:
+        for message in artifact.messages:
+            level = str(message.level.value).lower()
+            if level in ("warning", "error"):
+                print(f"[{level}] {artifact.stack_name}: {message.entry.data}", file=sys.stderr)
+    print(f"app.py: synthesized stage {cfg.name!r} ({cfg.region}) into {app.outdir}", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,10 +1,40 @@
 #!/usr/bin/env bash
-# Print the current ECS-optimized AL2023 Neuron AMI id for each region given (default us-east-1),
-# to pin in stacks/config.py (_NEURON_AMIS). Needs AWS credentials; synth never calls this.
-#     scripts/infra_pin_ami.sh us-east-1 us-west-2
+# Pin the current ECS-optimized AL2023 Neuron AMI of each region given into stacks/neuron_amis.json
+# ({"<region>": {"image_id", "image_name", "pinned_at"}}), the file stacks/config.py reads. Synth
+# never looks AMIs up; this script is the only thing that does (needs AWS credentials).
+#     scripts/infra_pin_ami.sh us-east-1 [us-west-2 ...]
+#     git diff stacks/neuron_amis.json && make test && git commit -m "Pin Neuron AMI" stacks/neuron_amis.json tests/infra/snapshots
+# Before committing, check the image is not one of the ECS Neuron AMIs that pin an old Neuron driver
+# (builds 20251015 to ~2026-01 pinned aws-neuronx-dkms 2.21; the training image needs > 2.26): the
+# launch template's user data refuses such hosts at boot, so jobs would only wait RUNNABLE.
+# NEURON_AMIS_FILE overrides the output path (tests).
 set -euo pipefail
-readonly PARAM=/aws/service/ecs/optimized-ami/amazon-linux-2023/neuron/recommended/image_id
-for region in "${@:-us-east-1}"; do
-  ami="$(aws ssm get-parameter --region "$region" --name "$PARAM" --query Parameter.Value --output text)"
-  echo "\"$region\": \"$ami\","
+readonly PARAM=/aws/service/ecs/optimized-ami/amazon-linux-2023/neuron/recommended
+out="${NEURON_AMIS_FILE:-$(cd "$(dirname "$0")/.." && pwd)/stacks/neuron_amis.json}"
+[ "$#" -ge 1 ] || { echo "usage: $0 REGION [REGION...]" >&2; exit 2; }
+python_bin="$(command -v python3 || command -v python)"
+
+for region in "$@"; do
+  # The parameter's value is JSON: {"image_id": ..., "image_name": ..., "ecs_agent_version": ..., ...}
+  value="$(aws ssm get-parameter --region "$region" --name "$PARAM" --query Parameter.Value --output text)"
+  REGION="$region" VALUE="$value" OUT="$out" "$python_bin" - <<'PY'
+import datetime, json, os, re, sys
+region, out = os.environ["REGION"], os.environ["OUT"]
+value = json.loads(os.environ["VALUE"])
+image_id, image_name = value.get("image_id", ""), value.get("image_name", "")
+if not re.match(r"^ami-[0-9a-f]{8}([0-9a-f]{9})?$", image_id) or not image_name:
+    sys.exit(f"unexpected SSM value for {region}: {value!r}")
+try:
+    with open(out) as fh:
+        pins = json.load(fh)
+except FileNotFoundError:
+    pins = {}
+pins[region] = {"image_id": image_id, "image_name": image_name,
+                "pinned_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")}
+with open(out + ".tmp", "w") as fh:
+    json.dump(dict(sorted(pins.items())), fh, indent=2, sort_keys=True)
+    fh.write("\n")
+os.replace(out + ".tmp", out)
+print(f"{region}: {image_id} ({image_name}) -> {out}")
+PY
 done

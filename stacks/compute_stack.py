@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from aws_cdk import Duration, Stack
+from aws_cdk import CfnOutput, Duration, Stack
 from aws_cdk import aws_ecs as ecs
 from cdk_nag import NagPackSuppression, NagSuppressions, RegexAppliesTo
 from constructs import Construct
@@ -45,7 +45,7 @@ class ComputeStack(Stack):
             self,
             "Compute",
             config=cfg,
-            ami_id=config.ami_id,
+            ami=config.neuron_ami,
             region=config.region,
             vpc=network.vpc,
             subnets=network.training_subnets,
@@ -73,6 +73,9 @@ class ComputeStack(Stack):
             },
             log_retention=retention_days(cfg.log_retention_days),
         )
+        # Which AMI a deploy actually used (the resolved SSM value when unpinned).
+        CfnOutput(self, "NeuronAmiId", value=self.compute.machine_image.get_image(self).image_id,
+                  description="Neuron ECS AMI of the compute environments")
         self.queues = self.compute.queues
         self.compute_environments = self.compute.compute_environments
         self.share_identifiers = self.compute.share_identifiers

@@ -8,13 +8,18 @@ at synth time on a laptop instead of half-way through a CloudFormation deploymen
 The per-instance-type table `INSTANCE_TYPES` is the single source of truth for EFA interface
 counts, Neuron devices and cores: the launch templates, the job definitions' device lists, the
 user-data health checks and NPROC_PER_NODE are all generated from it.
+
+Neuron AMI pins live in the committed file stacks/neuron_amis.json (written by
+`scripts/infra_pin_ami.sh <region>`); see `ComputeConfig.neuron_ami_ids` and `StageConfig.neuron_ami`.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from types import MappingProxyType
 
 from stacks.pipeline_config import PipelineConfig
@@ -54,6 +59,9 @@ INSTANCE_TYPES: Mapping[str, InstanceSpec] = MappingProxyType(
 )
 
 _AMI_RE = re.compile(r"^ami-[0-9a-f]{8}([0-9a-f]{9})?$")
+# AWS's current recommended ECS-optimized AL2023 Neuron AMI, per region (public SSM parameter).
+NEURON_AMI_SSM_PARAMETER = "/aws/service/ecs/optimized-ami/amazon-linux-2023/neuron/recommended/image_id"
+PINNED_AMIS_FILE = Path(__file__).with_name("neuron_amis.json")
 _SHARE_RE = re.compile(r"^[A-Za-z0-9_]{1,255}$")
 _VERSION_RE = re.compile(r"^\d+(\.\d+){1,3}$")
 # FSx for Lustre PERSISTENT_2: storage 1200 GiB or a multiple of 2400 GiB; throughput per TiB one
@@ -184,9 +192,21 @@ class ComputeConfig:
     single_node_instance_type: str = "trn1.2xlarge"
     single_node_max_instances: int = 4
     neuron_ami_ids: Mapping[str, str] = field(default_factory=dict)
-    """Region -> ECS-optimized AL2023 Neuron AMI id, pinned so nothing floats between deploys.
-    Refresh with scripts/infra_pin_ami.sh (reads SSM
-    /aws/service/ecs/optimized-ami/amazon-linux-2023/neuron/recommended/image_id)."""
+    """Region -> pinned ECS-optimized AL2023 Neuron AMI id. The stages read it from the committed
+    stacks/neuron_amis.json, which `scripts/infra_pin_ami.sh <region>` writes from SSM
+    NEURON_AMI_SSM_PARAMETER (with the image name and the date it was pinned). A pinned id changes
+    only in a reviewed commit, so every deploy of the stage launches the same image."""
+    allow_unpinned_ami: bool = False
+    """AMI policy when `neuron_ami_ids` has no pin for the stage's region:
+    False (prod): synth fails with the fix-it (pin with scripts/infra_pin_ami.sh, commit the file).
+    True (dev): the compute environments use the SSM parameter NEURON_AMI_SSM_PARAMETER, resolved
+    by CloudFormation at each deploy (a template parameter: synth stays offline and deterministic,
+    the template names the parameter), so the AMI follows AWS's recommended image until pinned;
+    synth adds a warning saying so. What makes a floating AMI safe enough for dev is the user
+    data's fail-fast check (`min_neuron_driver_version`, EFA/Neuron device counts): a host whose
+    Neuron driver is too old for the training image (the ECS Neuron AMIs built from 20251015 to
+    ~2026-01 pinned driver 2.21) shuts itself down before the ECS agent starts, so no job ever
+    runs on it -- jobs wait RUNNABLE instead, and the queue's time limit cancels and reports them."""
     min_neuron_driver_version: str = "2.27"
     """User data refuses hosts with an older aws-neuronx-dkms: the DLC's runtime 2.32 does not work
     with driver <= 2.26 (ECS AMIs 20251015..~2026-01 pinned 2.21)."""
@@ -283,6 +303,44 @@ class ComputeConfig:
         return tuple(s.identifier for s in self.shares)
 
 
+@dataclass(frozen=True, kw_only=True)
+class NeuronAmi:
+    """The image a stage's compute environments launch: exactly one of a pinned AMI id, or the
+    SSM parameter CloudFormation resolves at deploy time (unpinned stages that allow it)."""
+
+    image_id: str | None = None
+    ssm_parameter: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.image_id is None) == (self.ssm_parameter is None):
+            raise ValueError("NeuronAmi: set exactly one of image_id (pinned) or ssm_parameter.")
+
+    @property
+    def pinned(self) -> bool:
+        return self.image_id is not None
+
+
+def load_pinned_amis(path: Path = PINNED_AMIS_FILE) -> Mapping[str, str]:
+    """Region -> AMI id from the committed pin file
+    {"<region>": {"image_id": "ami-...", "image_name": "...", "pinned_at": "YYYY-MM-DD"}}.
+    A malformed file is a ValueError naming the file and the fix."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read the Neuron AMI pins ({exc}); restore it from git or rerun "
+                         "scripts/infra_pin_ami.sh REGION.") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object region -> pin; rerun scripts/infra_pin_ami.sh REGION.")
+    pins: dict[str, str] = {}
+    for region, entry in data.items():
+        if not isinstance(entry, dict) or not all(isinstance(entry.get(k), str) and entry[k]
+                                                  for k in ("image_id", "image_name", "pinned_at")):
+            raise ValueError(f"{path}: entry {region!r} needs non-empty image_id, image_name and pinned_at; "
+                             f"rerun scripts/infra_pin_ami.sh {region}.")
+        pins[region] = entry["image_id"]
+    return MappingProxyType(pins)
+
+
 # ---------------------------------------------------------------------------------------------
 # Stage
 # ---------------------------------------------------------------------------------------------
@@ -312,12 +370,6 @@ class StageConfig:
             raise ValueError(f"StageConfig.region={self.region!r}: not an AWS region name (e.g. us-east-1).")
         if self.account is not None and not re.match(r"^\d{12}$", self.account):
             raise ValueError(f"StageConfig.account={self.account!r}: a 12-digit AWS account id or None.")
-        if self.region not in self.compute.neuron_ami_ids:
-            raise ValueError(
-                f"Stage {self.name!r}: no Neuron AMI pinned for region {self.region!r}; add "
-                f"compute.neuron_ami_ids[{self.region!r}] (scripts/infra_pin_ami.sh {self.region}) or deploy to "
-                f"one of {sorted(self.compute.neuron_ami_ids)}."
-            )
         for az in self.availability_zones:
             if not re.match(rf"^{re.escape(self.region)}[a-z]$", az):
                 raise ValueError(
@@ -348,23 +400,30 @@ class StageConfig:
         return self.availability_zones[0]
 
     @property
-    def ami_id(self) -> str:
-        return self.compute.neuron_ami_ids[self.region]
+    def neuron_ami(self) -> NeuronAmi:
+        """The AMI policy resolved for this stage's region (build_stage calls it first, so an
+        unpinned prod fails synth before any stack exists). Not checked in __post_init__: an
+        unpinned stage must stay importable (tests, other stages, the pin script's first run)."""
+        pinned = self.compute.neuron_ami_ids.get(self.region)
+        if pinned is not None:
+            return NeuronAmi(image_id=pinned)
+        if self.compute.allow_unpinned_ami:
+            return NeuronAmi(ssm_parameter=NEURON_AMI_SSM_PARAMETER)
+        raise ValueError(
+            f"Stage {self.name!r}: no Neuron AMI pinned for region {self.region!r}, and this stage requires a "
+            f"pin (compute.allow_unpinned_ami=False). Fix: run `scripts/infra_pin_ami.sh {self.region}` (needs "
+            f"AWS credentials; reads SSM {NEURON_AMI_SSM_PARAMETER}), review the image name it prints, then "
+            f"commit stacks/neuron_amis.json. Pinned regions: {sorted(self.compute.neuron_ami_ids) or 'none'}."
+        )
 
     def with_env(self, *, account: str | None = None, region: str | None = None) -> StageConfig:
         """A copy targeting another account/region (validated again)."""
         return replace(self, account=account or self.account, region=region or self.region)
 
 
-# ECS-optimized AL2023 Neuron AMI ids, pinned. PLACEHOLDERS until the first deploy: refresh them with
-# `scripts/infra_pin_ami.sh <region>` (one SSM read per region) and commit; synth never looks them up.
-_NEURON_AMIS: Mapping[str, str] = MappingProxyType(
-    {
-        "us-east-1": "ami-0a1b2c3d4e5f60718",
-        "us-east-2": "ami-0b2c3d4e5f6071829",
-        "us-west-2": "ami-0c3d4e5f607182930",
-    }
-)
+# ECS-optimized AL2023 Neuron AMI pins, from the committed file (empty until someone with AWS
+# credentials runs scripts/infra_pin_ami.sh REGION and commits it). Synth never looks them up.
+PINNED_NEURON_AMIS: Mapping[str, str] = load_pinned_amis()
 
 STAGES: Mapping[str, StageConfig] = MappingProxyType(
     {
@@ -376,7 +435,9 @@ STAGES: Mapping[str, StageConfig] = MappingProxyType(
             compute=ComputeConfig(
                 training_instance_type="trn1.32xlarge",
                 max_nodes=2,
-                neuron_ami_ids=_NEURON_AMIS,
+                neuron_ami_ids=PINNED_NEURON_AMIS,
+                # dev may follow AWS's recommended AMI until a pin is committed (synth warns).
+                allow_unpinned_ami=True,
                 runnable_timeout_minutes=120,
             ),
             pipeline=PipelineConfig(canary_interval_minutes=None),
@@ -390,7 +451,7 @@ STAGES: Mapping[str, StageConfig] = MappingProxyType(
             compute=ComputeConfig(
                 training_instance_type="trn1n.32xlarge",
                 max_nodes=8,
-                neuron_ami_ids=_NEURON_AMIS,
+                neuron_ami_ids=PINNED_NEURON_AMIS,  # prod requires a pin for its region
             ),
             pipeline=PipelineConfig(default_num_nodes=4),
             tags={"stage": "prod"},

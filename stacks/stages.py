@@ -15,7 +15,9 @@ from stacks.storage_stack import StorageStack
 
 def build_stage(scope: Construct, cfg: StageConfig, *, image: ecs.ContainerImage | None = None) -> dict[str, Stack]:
     """Create the stage's stacks under `scope` and return them by role: "network", "storage",
-    "compute". `image` replaces the training image asset (tests pass a registry image)."""
+    "compute", "pipeline". `image` replaces the training image asset (tests pass a registry image).
+    Raises ValueError (with the fix-it) when the stage's AMI policy cannot be met, e.g. prod
+    without a pinned Neuron AMI for its region."""
     env = Environment(account=cfg.account, region=cfg.region)
     prefix = f"{cfg.project}-{cfg.name}"
     network = NetworkStack(scope, f"{prefix}-Network", config=cfg, env=env,

@@ -62,9 +62,15 @@ SINGLE_NODE_STEPS: Mapping[str, tuple[list[str], dict[str, str]]] = {
          "--gate-report-only", "--gate-s3-uri", "Ref::gate_s3_uri"],
         {"previous_metrics": "", "gate_s3_uri": ""},
     ),
-    # An array job: the shard index comes from AWS_BATCH_JOB_ARRAY_INDEX, the count from the
-    # AWS_BATCH_JOB_ARRAY_SIZE environment override the submitter passes.
-    "embed": (["embed", "--run-dir", RUN_DIR, "--checkpoint", "Ref::checkpoint"], {"checkpoint": ""}),
+    # An array job: the shard index comes from AWS_BATCH_JOB_ARRAY_INDEX (Batch sets it on every
+    # child), the count from the `shard_count` parameter: Batch sets no AWS_BATCH_JOB_ARRAY_SIZE and
+    # rejects AWS_BATCH* environment overrides, so the state machine passes the array size as a
+    # parameter (the same value as ArrayProperties.Size). Default "": the flag is dropped, and an
+    # array child without a count fails with exit 78 instead of embedding the wrong slice.
+    "embed": (
+        ["embed", "--run-dir", RUN_DIR, "--checkpoint", "Ref::checkpoint", "--shard-count", "Ref::shard_count"],
+        {"checkpoint": "", "shard_count": ""},
+    ),
     # The canary: node-local sanity on the small instance type, outside the exported /fsx/runs.
     "canary": (["sanity", "--run-dir", "/fsx/canary/Ref::run_id", "--fsx-path", FSX_MOUNT_POINT], {"run_id": "latest"}),
 }

@@ -9,20 +9,22 @@ CDK L2 pitfalls handled here (DESIGN.md section 5):
   (multi-node parallel jobs do not run on Spot).
 - The launch template version is pinned to the template's LatestVersionNumber (the L2 renders only
   the id, i.e. $Default, so template edits would never roll out): L1 escape hatch.
-- The AMI is an image override with imageType ECS_AL2023 (Batch has no Neuron image type).
+- The AMI is an image override with imageType ECS_AL2023 (Batch has no Neuron image type): a
+  pinned id, or for stages that allow it the SSM parameter CloudFormation resolves at deploy time
+  (`neuron_machine_image`; stacks/config.py ComputeConfig.allow_unpinned_ami).
 - The fair-share policy is attached when the queues are created (it cannot be added later) and
   `jobStateTimeLimitActions` cancel jobs stuck RUNNABLE.
 """
 
 from __future__ import annotations
 
-from aws_cdk import Duration
+from aws_cdk import Annotations, Duration
 from aws_cdk import aws_batch as batch
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_iam as iam
 from constructs import Construct
 
-from stacks.config import ComputeConfig, InstanceSpec
+from stacks.config import ComputeConfig, InstanceSpec, NeuronAmi
 from stacks.constructs.efa_launch_template import EfaLaunchTemplate
 
 # Queue name -> (compute environment key, priority). Priority only orders queues sharing a CE.
@@ -33,10 +35,30 @@ QUEUES: dict[str, tuple[str, int]] = {
 }
 
 
+UNPINNED_AMI_WARNING_ID = "trnembed:unpinnedNeuronAmi"
+
+
+def neuron_machine_image(scope: Construct, ami: NeuronAmi, region: str) -> ec2.IMachineImage:
+    """The compute environments' image. Pinned: that id. Unpinned: the SSM parameter as a template
+    parameter (no lookup, no cdk.context.json: synth stays offline and deterministic; CloudFormation
+    resolves it at each deploy) plus a synth warning that the AMI floats until pinned."""
+    if ami.image_id is not None:
+        return ec2.MachineImage.generic_linux({region: ami.image_id})
+    assert ami.ssm_parameter is not None
+    Annotations.of(scope).add_warning_v2(
+        UNPINNED_AMI_WARNING_ID,
+        f"Neuron AMI not pinned for {region}: the compute environments follow AWS's recommended image "
+        f"(SSM {ami.ssm_parameter}, resolved at each deploy). The user data refuses hosts with an old "
+        f"Neuron driver, but pin it before production: scripts/infra_pin_ami.sh {region}, then commit "
+        "stacks/neuron_amis.json.",
+    )
+    return ec2.MachineImage.from_ssm_parameter(ami.ssm_parameter)
+
+
 class TrainiumCompute(Construct):
     """Public attributes: launch_templates and compute_environments (dicts keyed "training",
     "single-node"), instance_role, scheduling_policy, queues (dict keyed "production",
-    "experiments", "single-node"), share_identifiers."""
+    "experiments", "single-node"), share_identifiers, machine_image."""
 
     def __init__(
         self,
@@ -44,7 +66,7 @@ class TrainiumCompute(Construct):
         construct_id: str,
         *,
         config: ComputeConfig,
-        ami_id: str,
+        ami: NeuronAmi,
         region: str,
         vpc: ec2.IVpc,
         subnets: ec2.SubnetSelection,
@@ -63,10 +85,8 @@ class TrainiumCompute(Construct):
                 iam.ManagedPolicy.from_aws_managed_policy_name("service-role/AmazonEC2ContainerServiceforEC2Role")
             ],
         )
-        image = batch.EcsMachineImage(
-            image=ec2.MachineImage.generic_linux({region: ami_id}),
-            image_type=batch.EcsMachineImageType.ECS_AL2023,
-        )
+        self.machine_image = neuron_machine_image(self, ami, region)
+        image = batch.EcsMachineImage(image=self.machine_image, image_type=batch.EcsMachineImageType.ECS_AL2023)
 
         self.launch_templates: dict[str, EfaLaunchTemplate] = {}
         self.compute_environments: dict[str, batch.ManagedEc2EcsComputeEnvironment] = {}
@@ -146,7 +166,9 @@ class TrainiumCompute(Construct):
             security_groups=[] if has_interfaces else [node_security_group],
             images=[image],
             instance_role=self.instance_role,
-            update_to_latest_image_version=False,  # the AMI is pinned in config
+            # Batch must not pick images itself: the AMI is the config's (pinned, or the SSM
+            # parameter CloudFormation re-resolves on each deploy).
+            update_to_latest_image_version=False,
             replace_compute_environment=False,
             terminate_on_update=False,
             update_timeout=Duration.minutes(30),

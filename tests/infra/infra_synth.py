@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +39,19 @@ def cdk_json_context() -> dict[str, Any]:
     return dict(json.loads((REPO_ROOT / "cdk.json").read_text())["context"])
 
 
+# NOT a real image: prod requires a pinned Neuron AMI and stacks/neuron_amis.json is empty as
+# committed, so the tests pin this obviously fake id for prod (never deployed anywhere).
+TEST_ONLY_AMI_ID = "ami-00000000000000000"
+
+
 def stage_config(name: str) -> StageConfig:
-    return get_stage(name).with_env(account=TEST_ACCOUNT)
+    """The stage as deployed, with the test account; prod gets TEST_ONLY_AMI_ID pinned for its
+    region (dev keeps its real policy, so its snapshot is what `make synth` produces)."""
+    cfg = get_stage(name).with_env(account=TEST_ACCOUNT)
+    if name == "prod":
+        pins = {**cfg.compute.neuron_ami_ids, cfg.region: TEST_ONLY_AMI_ID}
+        cfg = replace(cfg, compute=replace(cfg.compute, neuron_ami_ids=pins))
+    return cfg
 
 
 def build(name: str, *, nag: bool = True, outdir: str | None = None) -> tuple[cdk.App, dict[str, cdk.Stack]]:

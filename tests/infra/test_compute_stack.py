@@ -6,9 +6,12 @@ import base64
 import json
 
 import pytest
-from aws_cdk.assertions import Match
+from aws_cdk import App, CfnOutput, CfnResource, Environment, Stack
+from aws_cdk.assertions import Annotations, Match, Template
 
-from stacks.config import INSTANCE_TYPES
+from infra_synth import TEST_ONLY_AMI_ID, stage_config
+from stacks.config import INSTANCE_TYPES, NEURON_AMI_SSM_PARAMETER, ComputeConfig, NeuronAmi, StageConfig
+from stacks.constructs.trainium_compute import neuron_machine_image
 from stacks.constructs.efa_launch_template import network_interfaces, node_boot_script
 from stacks.constructs.job_definitions import EFA_ENVIRONMENT, device_list
 
@@ -103,10 +106,63 @@ def test_training_compute_environment(dev_templates, dev_config):
     assert resources["MaxvCpus"] == 128 * dev_config.compute.max_nodes
     assert resources["MinvCpus"] == 0
     assert "PlacementGroup" in resources and len(resources["Subnets"]) == 1
-    assert resources["Ec2Configuration"] == [{"ImageIdOverride": dev_config.ami_id, "ImageType": "ECS_AL2023"}]
+    (ec2_configuration,) = resources["Ec2Configuration"]
+    assert ec2_configuration["ImageType"] == "ECS_AL2023"
+    assert ec2_configuration["ImageIdOverride"] == _expected_image(dev_templates["compute"], dev_config)
     assert resources["UpdateToLatestImageVersion"] is False
     lt = resources["LaunchTemplate"]
     assert lt["Version"] == {"Fn::GetAtt": [lt["LaunchTemplateId"]["Ref"], "LatestVersionNumber"]}
+
+
+def _expected_image(template, config):
+    """What the config's AMI policy must render: the pinned id, or a Ref to a template parameter
+    that CloudFormation resolves from the SSM parameter at deploy time."""
+    ami = config.neuron_ami
+    if ami.pinned:
+        return ami.image_id
+    (name,) = [k for k, p in template.to_json().get("Parameters", {}).items()
+               if p["Type"] == "AWS::SSM::Parameter::Value<AWS::EC2::Image::Id>"]
+    assert template.to_json()["Parameters"][name]["Default"] == NEURON_AMI_SSM_PARAMETER
+    return {"Ref": name}
+
+
+def test_both_compute_environments_use_the_stage_ami(dev_templates, dev_config, prod_templates, prod_config):
+    for templates, config in ((dev_templates, dev_config), (prod_templates, prod_config)):
+        expected = _expected_image(templates["compute"], config)
+        for ce in _compute_environments(templates["compute"]).values():
+            assert ce["ComputeResources"]["Ec2Configuration"][0]["ImageIdOverride"] == expected
+        templates["compute"].has_output("NeuronAmiId", {"Value": expected})
+
+
+def test_prod_uses_its_pin_and_never_the_ssm_parameter(prod_templates, prod_stage):
+    assert _expected_image(prod_templates["compute"], stage_config("prod")) == TEST_ONLY_AMI_ID
+    assert NEURON_AMI_SSM_PARAMETER not in json.dumps(prod_templates["compute"].to_json())
+    Annotations.from_stack(prod_stage["compute"]).has_no_warning("*", Match.string_like_regexp("not pinned"))
+
+
+def test_unpinned_dev_warns_at_synth(dev_stage, dev_config):
+    warnings = Annotations.from_stack(dev_stage["compute"]).find_warning("*", Match.string_like_regexp("not pinned"))
+    assert len(warnings) == (0 if dev_config.neuron_ami.pinned else 1)
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_neuron_machine_image_policy(pinned):
+    """Both policies in isolation (the stages' outcome depends on the committed pin file)."""
+    stack = Stack(App(), "AmiTest", env=Environment(account="123456789012", region="us-west-2"))
+    ami = NeuronAmi(image_id=TEST_ONLY_AMI_ID) if pinned else NeuronAmi(ssm_parameter=NEURON_AMI_SSM_PARAMETER)
+    image = neuron_machine_image(stack, ami, "us-west-2")
+    CfnOutput(stack, "Ami", value=image.get_image(stack).image_id)
+    CfnResource(stack, "Placeholder", type="AWS::CloudFormation::WaitConditionHandle")  # a template needs a resource
+    template = Template.from_stack(stack)
+    warnings = Annotations.from_stack(stack).find_warning("*", Match.string_like_regexp(
+        r"not pinned for us-west-2.*scripts/infra_pin_ami.sh us-west-2.*commit stacks/neuron_amis.json"))
+    if pinned:
+        template.has_output("Ami", {"Value": TEST_ONLY_AMI_ID})
+        assert NEURON_AMI_SSM_PARAMETER not in json.dumps(template.to_json()) and not warnings
+    else:
+        assert _expected_image(template, StageConfig(name="t", region="us-west-2", compute=ComputeConfig(
+            allow_unpinned_ami=True))) == template.to_json()["Outputs"]["Ami"]["Value"]
+        assert len(warnings) == 1
 
 
 def test_prod_max_vcpus(prod_templates, prod_config):
@@ -222,6 +278,16 @@ def test_single_node_job_definitions(dev_templates, step):
 def test_optional_parameters_have_empty_defaults(dev_templates):
     train = _job_definition(dev_templates["compute"], "train")
     assert train["Parameters"] == {"preset": "base", "init_from": "", "max_steps": ""}
+
+
+def test_embed_takes_the_shard_count_as_a_parameter(dev_templates):
+    """Batch sets AWS_BATCH_JOB_ARRAY_INDEX on array children but no ARRAY_SIZE (and rejects
+    AWS_BATCH* overrides): the count must arrive in the command, from the `shard_count` parameter.
+    Its default "" makes the entrypoint drop the flag (embed then refuses an index without a count)."""
+    embed = _job_definition(dev_templates["compute"], "embed")
+    command = _container(embed)["Command"]
+    assert command[command.index("--shard-count") + 1] == "Ref::shard_count"
+    assert embed["Parameters"]["shard_count"] == ""
 
 
 def test_device_list_helper():

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
 from stacks.config import (
     INSTANCE_TYPES,
+    NEURON_AMI_SSM_PARAMETER,
+    PINNED_AMIS_FILE,
     STAGES,
     ComputeConfig,
     NetworkConfig,
+    NeuronAmi,
     Share,
     StageConfig,
     StorageConfig,
     get_stage,
+    load_pinned_amis,
 )
 from stacks.pipeline_config import PipelineConfig
 
@@ -100,10 +105,56 @@ def test_network_validation(kwargs, match):
         NetworkConfig(**kwargs)
 
 
-def test_missing_ami_for_region():
-    stage = get_stage("dev")
-    with pytest.raises(ValueError, match=r"no Neuron AMI pinned for region 'eu-north-1'.*infra_pin_ami"):
-        stage.with_env(region="eu-north-1")
+def test_prod_requires_a_pinned_ami_with_the_fix_it():
+    stage = get_stage("prod").with_env(region="eu-north-1")  # importable and constructible ...
+    with pytest.raises(ValueError, match=r"no Neuron AMI pinned for region 'eu-north-1'.*"
+                                         r"scripts/infra_pin_ami.sh eu-north-1.*commit stacks/neuron_amis.json"):
+        stage.neuron_ami  # ... but it cannot be built
+    assert get_stage("prod").compute.allow_unpinned_ami is False
+
+
+def test_pinned_ami_wins_over_the_floating_policy():
+    compute = ComputeConfig(neuron_ami_ids=AMIS, allow_unpinned_ami=True)
+    stage = StageConfig(name="t", region="us-east-1", compute=compute)
+    assert stage.neuron_ami == NeuronAmi(image_id="ami-0123456789abcdef0")
+    assert stage.neuron_ami.pinned
+
+
+def test_dev_follows_the_ssm_parameter_until_pinned():
+    stage = get_stage("dev").with_env(region="eu-north-1")
+    assert stage.compute.allow_unpinned_ami
+    assert stage.neuron_ami == NeuronAmi(ssm_parameter=NEURON_AMI_SSM_PARAMETER)
+    assert NEURON_AMI_SSM_PARAMETER == "/aws/service/ecs/optimized-ami/amazon-linux-2023/neuron/recommended/image_id"
+
+
+def test_neuron_ami_is_exactly_one_of_id_or_parameter():
+    with pytest.raises(ValueError, match="exactly one"):
+        NeuronAmi()
+    with pytest.raises(ValueError, match="exactly one"):
+        NeuronAmi(image_id="ami-0123456789abcdef0", ssm_parameter=NEURON_AMI_SSM_PARAMETER)
+
+
+def test_committed_pin_file_is_what_the_stages_use():
+    assert PINNED_AMIS_FILE.name == "neuron_amis.json" and PINNED_AMIS_FILE.exists()
+    pins = load_pinned_amis()
+    assert dict(get_stage("dev").compute.neuron_ami_ids) == dict(pins) == dict(get_stage("prod").compute.neuron_ami_ids)
+    # Only ids the pin script wrote (with name and date), never hand-made placeholders.
+    for region, entry in json.loads(PINNED_AMIS_FILE.read_text()).items():
+        assert set(entry) >= {"image_id", "image_name", "pinned_at"}, region
+        assert entry["image_name"].startswith("al2023-ami-ecs-neuron-hvm-"), entry
+
+
+def test_pin_file_loader(tmp_path):
+    path = tmp_path / "pins.json"
+    path.write_text(json.dumps({"us-west-2": {"image_id": "ami-0123456789abcdef0", "pinned_at": "2026-01-20",
+                                              "image_name": "al2023-ami-ecs-neuron-hvm-2023.0.20260115-kernel-6.1-x86_64"}}))
+    assert dict(load_pinned_amis(path)) == {"us-west-2": "ami-0123456789abcdef0"}
+    path.write_text(json.dumps({"us-west-2": "ami-0123456789abcdef0"}))
+    with pytest.raises(ValueError, match=r"needs non-empty image_id, image_name and pinned_at.*infra_pin_ami.sh us-west-2"):
+        load_pinned_amis(path)
+    path.write_text("{")
+    with pytest.raises(ValueError, match="cannot read the Neuron AMI pins"):
+        load_pinned_amis(path)
 
 
 def test_stage_cross_checks():

@@ -16,7 +16,7 @@ from infra_synth import snapshot_path
 UPDATE = os.environ.get("UPDATE_SNAPSHOTS") == "1"
 
 
-@pytest.mark.parametrize("name", ["network", "storage", "compute"])
+@pytest.mark.parametrize("name", ["network", "storage", "compute", "pipeline"])
 def test_snapshot(dev_stage, template_of, name):
     stack = dev_stage[name]
     current = template_of(stack).to_json()

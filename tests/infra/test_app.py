@@ -1,0 +1,40 @@
+"""app.py reads the stage the way the cdk CLI passes it (CDK_CONTEXT_JSON) and refuses the
+`python app.py -c stage=prod` form that plain python would silently ignore."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from infra_synth import REPO_ROOT
+
+
+def _app(*args: str, context: str | None = None, tmp_path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CDK_", "AWS_"))}
+    env.update({"JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION": "20", "CDK_OUTDIR": str(tmp_path / "cdk.out")})
+    if context is not None:
+        env["CDK_CONTEXT_JSON"] = context
+    return subprocess.run([sys.executable, "app.py", *args], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, check=False, timeout=300)
+
+
+def test_command_line_context_is_refused_with_the_usage(tmp_path):
+    result = _app("-c", "stage=prod", tmp_path=tmp_path)
+    assert result.returncode == 2
+    assert "CDK_CONTEXT_JSON='{\"stage\":\"prod\"}' python app.py" in result.stderr
+
+
+@pytest.mark.parametrize(("context", "expected"), [
+    # prod (and the region) are honoured: prod fails on its AMI policy (no pin for that region),
+    # which dev would not.
+    ('{"stage":"prod","region":"eu-north-1"}', "Stage 'prod': no Neuron AMI pinned for region 'eu-north-1'"),
+    ('{"stage":"qa"}', "Unknown stage 'qa'"),
+])
+def test_stage_comes_from_cdk_context_json(tmp_path, context, expected):
+    result = _app(context=context, tmp_path=tmp_path)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert expected in result.stderr
+    assert "Traceback" not in result.stderr
