@@ -57,13 +57,18 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging()
     module = importlib.import_module(STEPS[step][0])
     try:
-        code = module.main(rest)
+        code = int(module.main(rest) or ExitCode.OK)
     except StepError as exc:
         logging.getLogger(f"pipeline_steps.{step}").error("%s (exit %d: %s)", exc, exc.exit_code,
                                                           exc.exit_code.name.lower())
-        record_exit_code(exc.exit_code)
-        return int(exc.exit_code)
-    return int(code or ExitCode.OK)
+        code = int(exc.exit_code)
+    except Exception:
+        # A bug: keep the traceback, but still tell the entrypoint it was not retryable.
+        record_exit_code(ExitCode.INTERNAL)
+        raise
+    if code:
+        record_exit_code(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -15,8 +15,9 @@ Writes  OUT/part-00002-of-00004.parquet   columns id: string, embedding: fixed_s
 Sharding: shard i of n is the contiguous slice [i*N//n, (i+1)*N//n) of the catalog in prepared
 order, so shards are deterministic and an AWS Batch array child maps to one shard. The index
 defaults to AWS_BATCH_JOB_ARRAY_INDEX (Batch sets it on array children) and the count to
-AWS_BATCH_JOB_ARRAY_SIZE (Batch does NOT set this one: the submitter passes it as an environment
-override, or use --shard-count); without them: shard 0 of 1.
+AWS_BATCH_JOB_ARRAY_SIZE (Batch does NOT set this one, and rejects AWS_BATCH* overrides: the
+job definition passes --shard-count Ref::shard_count, which the state machine sets to the array
+size); without them: shard 0 of 1.
 
 Idempotent and resumable: a shard whose sidecar exists, whose part matches the sidecar's sha256
 and which was made by the same checkpoint from the same catalog slice is skipped; anything else
