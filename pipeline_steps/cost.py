@@ -148,7 +148,7 @@ def run_cost(steps: list[StepCost], *, comparison: GpuComparison | None = None,
     price (the total is then a lower bound). The GPU comparison covers the training steps only:
     the seeds' throughput ratio is a training benchmark."""
     priced = [s for s in steps if s.cost_usd is not None]
-    unpriced = [s.step for s in steps if s.cost_usd is None and s.seconds > 0]
+    unpriced = [s.step for s in steps if s.cost_usd is None]
     total = sum(s.cost_usd or 0.0 for s in priced)
     out: dict[str, Any] = {
         "currency": "USD",

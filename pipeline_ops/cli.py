@@ -1,0 +1,510 @@
+"""trainium-runs: start, watch and stop training pipeline runs on AWS, and see what they cost.
+
+    trainium-runs [--stage dev] start --data-uri s3://<data bucket>/incoming/catalog/2026-01-05/ [--base-model RUN] [--nodes 4] [--share experiments]
+    trainium-runs status [RUN]          state timeline, Batch jobs (ids, nodes, instance, times), cost, failure reason
+    trainium-runs runs [--max 10]       recent runs: outcome, gate metrics, cost
+    trainium-runs logs RUN STEP         the main node's CloudWatch log of that step's Batch job
+    trainium-runs stop RUN              stop the execution (Step Functions terminates the running job)
+
+The state machine is the `StateMachineArn` output of the stack `<project>-<stage>-Pipeline`
+(default project TrnEmbed), or `--state-machine-arn`. RUN is the run id (= the execution name) or
+an execution ARN; `status` without RUN shows the latest run. Add `--json` for scripts. Costs are
+Batch job time x nodes x on-demand price (pipeline_steps/cost.py); `--price TYPE=USD` adds or
+overrides a price (e.g. `--price trn1.2xlarge=1.34`, which the built-in table cannot cite).
+
+Exit codes: 0 ok; 1 AWS API error; 2 usage error; 3 unknown run / step / log stream;
+4 wrong stage or state machine (stack or output missing, no region); 5 no AWS credentials;
+6 a run with that name already exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+from pipeline_steps import cost as cost_lib
+
+from . import runs as R
+
+DEFAULT_PROJECT = "TrnEmbed"
+FSX_DATA = "/fsx/data"
+
+
+class ConflictError(R.OpsError):
+    exit_code = 6
+
+
+# ---- AWS context ----------------------------------------------------------------------------------
+class Context:
+    """Clients, the resolved state machine and the price table for one CLI call."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import boto3
+
+        self.args = args
+        self.session = boto3.Session(profile_name=args.profile, region_name=args.region)
+        if not self.session.region_name:
+            raise R.ConfigError("no AWS region: pass --region or set AWS_REGION / AWS_DEFAULT_REGION.")
+        self.region = self.session.region_name
+        self.stack_name = f"{args.project}-{args.stage}-Pipeline"
+        self._clients: dict[str, Any] = {}
+        self._outputs: dict[str, str] | None = None
+        self._arn: str | None = None
+        self.prices = cost_lib.PriceTable(self.region, overrides=cost_lib.parse_overrides(args.price))
+
+    def client(self, name: str) -> Any:
+        if name not in self._clients:
+            self._clients[name] = self.session.client(name)
+        return self._clients[name]
+
+    def outputs(self) -> dict[str, str]:
+        if self._outputs is None:
+            from botocore.exceptions import ClientError
+
+            try:
+                stacks = self.client("cloudformation").describe_stacks(StackName=self.stack_name)["Stacks"]
+            except ClientError as exc:
+                if "does not exist" in str(exc):
+                    raise R.ConfigError(
+                        f"stage {self.args.stage!r}: no stack {self.stack_name} in {self.region}. Is the stage "
+                        f"deployed there (cdk deploy -c stage={self.args.stage})? Otherwise pass --stage, "
+                        "--project, --region or --state-machine-arn.") from None
+                raise
+            self._outputs = {o["OutputKey"]: o["OutputValue"] for o in stacks[0].get("Outputs", [])}
+        return self._outputs
+
+    @property
+    def state_machine_arn(self) -> str:
+        if self._arn is None:
+            if self.args.state_machine_arn:
+                arn = self.args.state_machine_arn
+                sfn = self.client("stepfunctions")
+                try:
+                    sfn.describe_state_machine(stateMachineArn=arn)
+                except (sfn.exceptions.StateMachineDoesNotExist, sfn.exceptions.InvalidArn):
+                    raise R.ConfigError(f"no state machine {arn} in {self.region}.") from None
+            else:
+                arn = self.outputs().get("StateMachineArn")
+                if not arn:
+                    raise R.ConfigError(f"stack {self.stack_name} has no StateMachineArn output; "
+                                        "pass --state-machine-arn.")
+            self._arn = arn
+        return self._arn
+
+    def instance_types(self) -> tuple[str, str]:
+        """(training, single-node) instance types: flags, then stack outputs, then defaults."""
+        outputs = self.outputs() if not self.args.state_machine_arn else {}
+        training = (self.args.training_instance_type or outputs.get("TrainingInstanceType")
+                    or R.DEFAULT_TRAINING_INSTANCE)
+        single = (self.args.single_node_instance_type or outputs.get("SingleNodeInstanceType")
+                  or R.DEFAULT_SINGLE_NODE_INSTANCE)
+        return training, single
+
+
+# ---- reading a run --------------------------------------------------------------------------------
+def _describe_execution(ctx: Context, run: str) -> dict[str, Any]:
+    sfn = ctx.client("stepfunctions")
+    arn = R.execution_arn(ctx.state_machine_arn, run)
+    try:
+        return sfn.describe_execution(executionArn=arn)
+    except (sfn.exceptions.ExecutionDoesNotExist, sfn.exceptions.InvalidArn):
+        raise R.NotFoundError(f"unknown run {run.rsplit(':', 1)[-1]!r} in {ctx.state_machine_arn}; `trainium-runs runs` lists "
+                              "recent runs.") from None
+
+
+def _latest_run(ctx: Context) -> str:
+    executions = ctx.client("stepfunctions").list_executions(
+        stateMachineArn=ctx.state_machine_arn, maxResults=1)["executions"]
+    if not executions:
+        raise R.NotFoundError(f"no runs yet in {ctx.state_machine_arn}; start one with `trainium-runs start`.")
+    return executions[0]["executionArn"]
+
+
+def _history(ctx: Context, arn: str) -> list[dict[str, Any]]:
+    pages = ctx.client("stepfunctions").get_paginator("get_execution_history").paginate(executionArn=arn)
+    return [e for page in pages for e in page["events"]]
+
+
+def _describe_jobs(ctx: Context, job_ids: list[str]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for i in range(0, len(job_ids), 100):  # DescribeJobs takes up to 100 ids
+        for job in ctx.client("batch").describe_jobs(jobs=job_ids[i:i + 100])["jobs"]:
+            out[job["jobId"]] = job
+    return out
+
+
+def _array_children(ctx: Context, job_id: str) -> list[dict[str, Any]]:
+    pages = ctx.client("batch").get_paginator("list_jobs").paginate(
+        arrayJobId=job_id, filters=[{"name": "AFTER_CREATED_AT", "values": ["0"]}])
+    return [j for page in pages for j in page.get("jobSummaryList", [])]
+
+
+def run_summary(ctx: Context, execution: dict[str, Any], *, now: float | None = None) -> dict[str, Any]:
+    """Everything `status` shows about one execution (also the rows of `runs`)."""
+    visits, jobs = R.parse_history(_history(ctx, execution["executionArn"]))
+    records = _describe_jobs(ctx, [j.job_id for j in jobs.values() if j.job_id])
+    training, single = ctx.instance_types()
+    step_costs, job_rows = [], []
+    for state in R.BATCH_STATES:
+        job = jobs.get(state)
+        if job is None:
+            continue
+        job.record = records.get(job.job_id or "", {})
+        children = _array_children(ctx, job.job_id) if job.array_size and job.job_id else None
+        step = R.job_cost(job, ctx.prices, training=training, single_node=single, children=children or None, now=now)
+        step_costs.append(step)
+        job_rows.append({
+            "step": state, "job_id": job.job_id, "status": job.record.get("status", "SUBMITTED" if job.job_id else "-"),
+            "nodes": step.nodes, "instance_type": step.instance_type,
+            "started": R.iso(R._epoch(job.record.get("startedAt"))),
+            "stopped": R.iso(R._epoch(job.record.get("stoppedAt"))),
+            "seconds": round(step.seconds, 3), "cost_usd": step.as_dict()["cost_usd"],
+            "status_reason": job.record.get("statusReason"),
+        })
+    output = json.loads(execution.get("output") or "{}")
+    run_input = json.loads(execution.get("input") or "{}")
+    started = execution["startDate"].timestamp()
+    stopped = execution["stopDate"].timestamp() if execution.get("stopDate") else None
+    failure = None
+    if execution["status"] in ("FAILED", "TIMED_OUT", "ABORTED"):
+        # The failed step, not the Fail end state the failure path leads to.
+        failed = [v for v in visits if v.outcome == "failed" and v.error and v.name != visits[-1].name] or \
+            [v for v in visits if v.outcome == "failed"]
+        failed_job = next((r for r in job_rows if r["status"] == "FAILED"), None)
+        failure = {"status": execution["status"], "state": failed[-1].name if failed else None,
+                   "error": (failed[-1].error if failed else None) or execution.get("error"),
+                   "cause": (failed[-1].cause if failed else None) or execution.get("cause"),
+                   "job_id": failed_job["job_id"] if failed_job else None,
+                   "job_status_reason": failed_job["status_reason"] if failed_job else None}
+    return {
+        "run_id": execution["name"], "execution_arn": execution["executionArn"], "status": execution["status"],
+        "end_state": visits[-1].name if visits and execution["status"] != "RUNNING" else None,
+        "current_state": visits[-1].name if visits and execution["status"] == "RUNNING" else None,
+        "started": R.iso(started), "stopped": R.iso(stopped),
+        "seconds": round((stopped or (now or time.time())) - started, 3),
+        "input": run_input,
+        "metrics": ((output.get("gate") or {}).get("report") or {}).get("metrics"),
+        "gate_passed": ((output.get("gate") or {}).get("report") or {}).get("passed"),
+        "timeline": [v.as_dict() for v in visits],
+        "jobs": job_rows,
+        "cost": cost_lib.run_cost(step_costs, comparison=cost_lib.GpuComparison()),
+        "failure": failure,
+    }
+
+
+# ---- commands -------------------------------------------------------------------------------------
+def _data_input(uri: str) -> dict[str, str]:
+    """s3://<data bucket>/<key> or /fsx/data/<key> -> the execution's data fields. The FSx data
+    repository association maps /fsx/data <-> s3://<data bucket>/ (CONTRACTS.md)."""
+    out: dict[str, str] = {}
+    if uri.startswith("s3://"):
+        bucket_and_key = uri[len("s3://"):]
+        key = bucket_and_key.partition("/")[2].strip("/")
+        out["data_s3_uri"] = uri
+        out["data_uri"] = f"{FSX_DATA}/{key}"
+    elif uri.startswith("/"):
+        out["data_uri"] = uri.rstrip("/")
+    else:
+        raise R.OpsError(f"--data-uri {uri!r}: use s3://<data bucket>/incoming/<dataset>/<version>/ "
+                         f"or {FSX_DATA}/incoming/<dataset>/<version>")
+    parts = out["data_uri"].split("/")
+    if "incoming" in parts and len(parts) >= parts.index("incoming") + 3:
+        i = parts.index("incoming")
+        out["dataset"], out["version"] = parts[i + 1], parts[i + 2]
+    return out
+
+
+def cmd_start(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
+    run_input: dict[str, Any] = _data_input(args.data_uri)
+    if args.base_model is not None:
+        # A bare run id means that run's dir (checkpoint.resolve picks its newest verified checkpoint);
+        # "" trains from scratch.
+        base = args.base_model
+        run_input["init_from"] = base if (not base or "/" in base) else f"/fsx/runs/{base}"
+    for key, value in (("num_nodes", args.nodes), ("share", args.share), ("priority", args.priority),
+                       ("embed_shards", args.embed_shards)):
+        if value is not None:
+            run_input[key] = value
+    if args.share and args.share != "production" and not args.state_machine_arn:
+        # Experiment runs go to the experiments queue (same compute, its own fair share).
+        queue = ctx.outputs().get("ExperimentsQueueArn")
+        if queue:
+            run_input["training_queue"] = queue
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+    name = args.name or R.execution_name(run_input.get("dataset", "manual"), run_input.get("version", ""),
+                                         suffix=f"-{stamp}")
+    sfn = ctx.client("stepfunctions")
+    try:
+        started = sfn.start_execution(stateMachineArn=ctx.state_machine_arn, name=name, input=json.dumps(run_input))
+    except sfn.exceptions.ExecutionAlreadyExists:
+        raise ConflictError(f"a run named {name!r} already exists; pick another --name "
+                            f"(`trainium-runs status {name}` shows it).") from None
+    return {"run_id": name, "execution_arn": started["executionArn"], "input": run_input}
+
+
+def cmd_status(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
+    arn = R.execution_arn(ctx.state_machine_arn, args.run) if args.run else _latest_run(ctx)
+    return run_summary(ctx, _describe_execution(ctx, arn))
+
+
+def cmd_runs(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
+    executions = ctx.client("stepfunctions").list_executions(
+        stateMachineArn=ctx.state_machine_arn, maxResults=args.max)["executions"]
+    rows = []
+    for execution in executions:
+        summary = run_summary(ctx, _describe_execution(ctx, execution["executionArn"]))
+        rows.append({k: summary[k] for k in ("run_id", "status", "end_state", "current_state", "started",
+                                             "seconds", "metrics", "gate_passed")}
+                    | {"cost_usd": summary["cost"]["total_usd"], "unpriced": summary["cost"]["unpriced"],
+                       "failed_state": (summary["failure"] or {}).get("state")})
+    return {"state_machine_arn": ctx.state_machine_arn, "runs": rows}
+
+
+def cmd_logs(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
+    execution = _describe_execution(ctx, args.run)
+    _, jobs = R.parse_history(_history(ctx, execution["executionArn"]))
+    state = next((s for s in R.BATCH_STATES if s.lower() == args.step.lower()), None)
+    if state is None:
+        raise R.NotFoundError(f"unknown step {args.step!r}; steps: {', '.join(s.lower() for s in R.BATCH_STATES)}.")
+    job = jobs.get(state)
+    if job is None or not job.job_id:
+        raise R.NotFoundError(f"run {execution['name']} has no {state} job (yet); `trainium-runs status "
+                              f"{execution['name']}` shows how far it got.")
+    job_id = job.job_id
+    record = _describe_jobs(ctx, [job_id]).get(job_id, {})
+    main_node = R.main_node_job_id(record)
+    if main_node:  # multi-node: the main node's own job record carries its log stream
+        job_id, record = main_node, _describe_jobs(ctx, [main_node]).get(main_node, {})
+    elif job.array_size:
+        job_id = f"{job.job_id}:{args.index}"
+        record = _describe_jobs(ctx, [job_id]).get(job_id, {})
+    group, stream = R.log_location(record)
+    if not stream:
+        raise R.NotFoundError(f"{state} job {job_id} has no log stream yet (status {record.get('status', '?')}).")
+    logs = ctx.client("logs")
+    try:
+        events = logs.get_log_events(logGroupName=group, logStreamName=stream, limit=args.lines,
+                                     startFromHead=args.head)["events"]
+    except logs.exceptions.ResourceNotFoundException:
+        raise R.NotFoundError(f"log stream {group}/{stream} of job {job_id} not found (expired or not "
+                              "written yet).") from None
+    return {"run_id": execution["name"], "step": state, "job_id": job_id, "log_group": group, "log_stream": stream,
+            "events": [{"timestamp": R.iso(e["timestamp"] / 1000.0), "message": e["message"]} for e in events]}
+
+
+def cmd_stop(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
+    execution = _describe_execution(ctx, args.run)
+    if execution["status"] != "RUNNING":
+        return {"run_id": execution["name"], "stopped": False, "status": execution["status"]}
+    cause = args.cause or f"stopped by {os.environ.get('USER', 'an operator')} with trainium-runs"
+    ctx.client("stepfunctions").stop_execution(executionArn=execution["executionArn"], cause=cause,
+                                               error="StoppedByOperator")
+    return {"run_id": execution["name"], "stopped": True, "status": "ABORTED", "cause": cause}
+
+
+# ---- rendering --------------------------------------------------------------------------------------
+def _hms(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def _usd(value: float | None) -> str:
+    return "n/a" if value is None else f"${value:,.2f}"
+
+
+_COLOUR = {"SUCCEEDED": "green", "FAILED": "red", "TIMED_OUT": "red", "ABORTED": "yellow", "RUNNING": "cyan",
+           "succeeded": "green", "failed": "red", "caught": "yellow", "aborted": "yellow", "running": "cyan"}
+
+
+def _c(text: Any) -> str:
+    colour = _COLOUR.get(str(text))
+    return f"[{colour}]{text}[/{colour}]" if colour else str(text)
+
+
+def render_start(console: Any, out: dict[str, Any]) -> None:
+    console.print(f"started run [bold]{out['run_id']}[/bold]")
+    console.print(f"  execution {out['execution_arn']}")
+    console.print(f"  input     {json.dumps(out['input'])}")
+    console.print(f"follow it with: trainium-runs status {out['run_id']}")
+
+
+def render_status(console: Any, out: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    where = out["end_state"] or f"in {out['current_state']}"
+    console.print(f"run [bold]{out['run_id']}[/bold]: {_c(out['status'])} ({where}), started {out['started']}, "
+                  f"{_hms(out['seconds'])}")
+    timeline = Table(title="state timeline")
+    for col in ("state", "entered", "duration", "outcome"):
+        timeline.add_column(col)
+    for v in out["timeline"]:
+        timeline.add_row(v["state"], v["entered"], _hms(v["seconds"]), _c(v["outcome"]))
+    console.print(timeline)
+    jobs = Table(title="Batch jobs")
+    for col in ("step", "job id", "status", "nodes", "instance", "duration", "cost"):
+        jobs.add_column(col, justify="right" if col in ("nodes", "duration", "cost") else "left")
+    for j in out["jobs"]:
+        jobs.add_row(j["step"], j["job_id"] or "-", _c(j["status"]), str(j["nodes"]), j["instance_type"],
+                     _hms(j["seconds"]), _usd(j["cost_usd"]))
+    console.print(jobs)
+    _render_cost(console, out["cost"])
+    if out["metrics"]:
+        console.print("gate: " + ("passed" if out["gate_passed"] else "rejected") + ", "
+                      + ", ".join(f"{k}={v:.4f}" for k, v in sorted(out["metrics"].items())
+                                  if isinstance(v, (int, float))))
+    if out["failure"]:
+        f = out["failure"]
+        console.print(f"[red]failed in {f['state']}[/red]: {f['error']}")
+        if f["job_id"]:
+            console.print(f"  job {f['job_id']}: {f['job_status_reason'] or 'no status reason'}")
+            console.print(f"  logs: trainium-runs logs {out['run_id']} {(f['state'] or '').lower()}")
+        if f["cause"]:
+            console.print(f"  cause: {str(f['cause'])[:500]}")
+
+
+def _render_cost(console: Any, cost: dict[str, Any]) -> None:
+    note = " so far" if cost["running"] else ""
+    if cost["unpriced"]:
+        note += f" (no price for: {', '.join(cost['unpriced'])}; add --price TYPE=USD)"
+    console.print(f"compute cost{note}: {_usd(cost['total_usd'])} over {cost['node_hours']:.2f} node-hours")
+    gpu = cost.get("gpu_comparison") or {}
+    if gpu.get("gpu_cost_usd") is not None:
+        console.print(f"training on {gpu['gpu_instance']} would cost about {_usd(gpu['gpu_cost_usd'])} "
+                      f"(Trainium cost per unit of work = {gpu['cost_ratio']:.2f}x, seed benchmark)")
+
+
+def render_runs(console: Any, out: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"recent runs of {out['state_machine_arn'].rsplit(':', 1)[-1]}")
+    for col in ("run", "status", "outcome", "started", "duration", "recall@10", "cost"):
+        table.add_column(col, justify="right" if col in ("duration", "cost", "recall@10") else "left")
+    for r in out["runs"]:
+        outcome = r["end_state"] or f"in {r['current_state']}"
+        if r["failed_state"]:
+            outcome = f"failed in {r['failed_state']}"
+        recall = (r["metrics"] or {}).get("recall@10")
+        table.add_row(r["run_id"], _c(r["status"]), outcome, r["started"], _hms(r["seconds"]),
+                      "-" if recall is None else f"{recall:.4f}",
+                      _usd(r["cost_usd"]) + ("+" if r["unpriced"] else ""))
+    console.print(table)
+    if any(r["unpriced"] for r in out["runs"]):
+        console.print("+ = some steps have no price in the table for this region; add --price TYPE=USD")
+
+
+def render_logs(console: Any, out: dict[str, Any]) -> None:
+    console.print(f"[dim]{out['log_group']} {out['log_stream']} (job {out['job_id']})[/dim]")
+    for e in out["events"]:
+        console.print(f"{e['timestamp']}  {e['message']}", markup=False, highlight=False)
+
+
+def render_stop(console: Any, out: dict[str, Any]) -> None:
+    if out["stopped"]:
+        console.print(f"stopped run {out['run_id']} (Step Functions terminates its running Batch job)")
+    else:
+        console.print(f"run {out['run_id']} is {out['status']}; nothing to stop")
+
+
+COMMANDS: dict[str, tuple[Callable[..., dict[str, Any]], Callable[[Any, dict[str, Any]], None]]] = {
+    "start": (cmd_start, render_start), "status": (cmd_status, render_status), "runs": (cmd_runs, render_runs),
+    "logs": (cmd_logs, render_logs), "stop": (cmd_stop, render_stop),
+}
+
+
+# ---- argument parsing and the entry point -------------------------------------------------------------
+def _common(suppress: bool) -> argparse.ArgumentParser:
+    """Global options, accepted before or after the command. The subcommands' copy has no
+    defaults (SUPPRESS) so an option given before the command is not reset by the subparser."""
+    common = argparse.ArgumentParser(add_help=False)
+
+    def default(value: Any) -> Any:
+        return argparse.SUPPRESS if suppress else value
+
+    common.add_argument("--stage", default=default(os.environ.get("TRAINIUM_STAGE", "dev")),
+                        help="stage name (stacks/config.py STAGES; env TRAINIUM_STAGE; default dev)")
+    common.add_argument("--project", default=default(DEFAULT_PROJECT), help="StageConfig.project (stack name prefix)")
+    common.add_argument("--region", default=default(None), help="AWS region (default: the AWS config/env)")
+    common.add_argument("--profile", default=default(None), help="AWS profile")
+    common.add_argument("--state-machine-arn", default=default(None), help="skip the stack lookup")
+    common.add_argument("--json", action="store_true", default=default(False), help="machine-readable output")
+    common.add_argument("--price", action="append", metavar="TYPE=USD", default=default(None),
+                        help="on-demand USD/hour for an instance type (repeatable; overrides the table)")
+    common.add_argument("--training-instance-type", default=default(None))
+    common.add_argument("--single-node-instance-type", default=default(None))
+    return common
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = _common(suppress=True)
+    parser = argparse.ArgumentParser(prog="trainium-runs", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, parents=[_common(suppress=False)])
+    sub = parser.add_subparsers(dest="command", required=True)
+    start = sub.add_parser("start", parents=[common], help="start a run")
+    start.add_argument("--data-uri", required=True,
+                       help="s3://<data bucket>/incoming/<dataset>/<version>/ or /fsx/data/incoming/<dataset>/<version>")
+    start.add_argument("--base-model", default=None,
+                       help="run id, /fsx/runs/<run>[/checkpoints/...] to start from ('' = from scratch; "
+                            "default: the published model)")
+    start.add_argument("--nodes", type=int, default=None, help="nodes for sanity/compile/train")
+    start.add_argument("--share", default=None, help="fair-share identifier (production | experiments)")
+    start.add_argument("--priority", type=int, default=None)
+    start.add_argument("--embed-shards", type=int, default=None)
+    start.add_argument("--name", default=None, help="run id (default <dataset>-<version>-<UTC time>)")
+    status = sub.add_parser("status", parents=[common], help="one run in detail (default: the latest)")
+    status.add_argument("run", nargs="?", default=None)
+    recent = sub.add_parser("runs", parents=[common], help="recent runs")
+    recent.add_argument("--max", type=int, default=10)
+    logs = sub.add_parser("logs", parents=[common], help="the main node's log of a step")
+    logs.add_argument("run")
+    logs.add_argument("step", help="prepare | sanity | compile | train | validate | embed")
+    logs.add_argument("--lines", type=int, default=200)
+    logs.add_argument("--head", action="store_true", help="from the start of the stream (default: the end)")
+    logs.add_argument("--index", type=int, default=0, help="array child for embed")
+    stop = sub.add_parser("stop", parents=[common], help="stop a running run")
+    stop.add_argument("run")
+    stop.add_argument("--cause", default=None)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from botocore.exceptions import ClientError, NoCredentialsError, PartialCredentialsError
+    from botocore.exceptions import ProfileNotFound
+    from rich.console import Console
+
+    args = build_parser().parse_args(argv)
+    command, render = COMMANDS[args.command]
+    err = Console(stderr=True, soft_wrap=True)  # one line per error: scripts grep it
+    try:
+        out = command(Context(args), args)
+    except (NoCredentialsError, PartialCredentialsError) as exc:
+        err.print(f"error: no AWS credentials ({exc}). Configure them (aws configure / aws sso login / "
+                  "AWS_PROFILE) and retry.", markup=False)
+        return R.CredentialsError.exit_code
+    except ProfileNotFound as exc:
+        err.print(f"error: {exc}", markup=False)
+        return R.CredentialsError.exit_code
+    except ValueError as exc:  # a bad --price
+        err.print(f"error: {exc}", markup=False)
+        return 2
+    except R.OpsError as exc:
+        err.print(f"error: {exc}", markup=False)
+        return exc.exit_code
+    except ClientError as exc:
+        err.print(f"error: AWS: {exc}", markup=False)
+        return 1
+    if args.json:
+        print(json.dumps(out, indent=2, default=str))
+    else:
+        render(Console(), out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""trainium-runs against moto: the real (synthesized) state machine definition runs there with the
+orchestration tests' Batch patch, and the CLI finds it through the stage's stack output."""
+
+from __future__ import annotations
+
+import json
+import time
+from unittest import mock
+
+import boto3
+import pytest
+from moto import mock_aws
+from moto.stepfunctions.parser.asl.component.state.exec.state_task.service import (
+    state_task_service_callback as callback_module,
+)
+
+from botocore.exceptions import ClientError
+
+from moto_batch import patched_moto_batch
+from pipeline_fixtures import ENV
+from test_pipeline_execution import DATA, _World
+
+from pipeline_ops import cli
+
+REGION = ENV.region
+BASE = ["--region", REGION]
+
+
+class _CloudFormation:
+    """DescribeStacks of the deployed stage. moto's CloudFormation needs the `moto[cloudformation]`
+    extra (openapi-spec-validator), which the dev environment does not install; this stand-in
+    answers with the real API's shapes, including its error for an unknown stack."""
+
+    def __init__(self, stacks: dict[str, dict[str, str]]) -> None:
+        self.stacks = stacks
+
+    def describe_stacks(self, StackName: str) -> dict:
+        if StackName not in self.stacks:
+            raise ClientError({"Error": {"Code": "ValidationError",
+                                         "Message": f"Stack with id {StackName} does not exist"}}, "DescribeStacks")
+        outputs = [{"OutputKey": k, "OutputValue": v} for k, v in self.stacks[StackName].items()]
+        return {"Stacks": [{"StackName": StackName, "Outputs": outputs}]}
+
+
+@pytest.fixture(scope="module")
+def world():
+    """One mocked account for the module: the pipeline deployed as stack TrnEmbed-dev-Pipeline,
+    a published run, a rejected run and a failed run (started through the CLI)."""
+    with mock_aws(config={"stepfunctions": {"execute_state_machine": True}, "batch": {"use_docker": False}}), \
+            patched_moto_batch() as hooks, \
+            mock.patch.object(callback_module, "_DELAY_SECONDS_SYNC_CONDITION_CHECK", 0.05):  # faster .sync polls
+        w = _World(hooks)
+        queue = w.batch.describe_job_queues(jobQueues=["experiments"])["jobQueues"][0]["jobQueueArn"]
+        cloudformation = _CloudFormation({"TrnEmbed-dev-Pipeline": {"StateMachineArn": w.pipeline_arn,
+                                                                    "ExperimentsQueueArn": queue}})
+        real_client = cli.Context.client
+        patch_cfn = mock.patch.object(cli.Context, "client", lambda self, name: cloudformation
+                                      if name == "cloudformation" else real_client(self, name))
+        patch_cfn.start()
+        w.put_gate("run-ok", passed=True)
+        w.put_gate("run-rejected", passed=False)
+        for name, extra in (("run-ok", ["--nodes", "3"]), ("run-rejected", [])):
+            assert cli.main([*BASE, "start", "--data-uri", f"s3://{DATA}/incoming/catalog/v1/", "--name", name,
+                             *extra]) == 0
+        _wait(w, "run-ok", "run-rejected")
+        hooks.fail_job_definitions.add("train")
+        assert cli.main([*BASE, "start", "--data-uri", "/fsx/data/incoming/catalog/v2", "--name", "run-failed",
+                         "--base-model", "run-ok"]) == 0
+        _wait(w, "run-failed")
+        hooks.fail_job_definitions.clear()
+        yield w
+        patch_cfn.stop()
+
+
+def _wait(world, *names: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    for name in names:
+        arn = world.pipeline_arn.replace(":stateMachine:", ":execution:") + f":{name}"
+        while world.sfn.describe_execution(executionArn=arn)["status"] == "RUNNING":
+            assert time.monotonic() < deadline, f"{name} did not finish"
+            time.sleep(0.1)
+
+
+def run_json(capsys, *args: str) -> dict:
+    capsys.readouterr()
+    assert cli.main([*BASE, "--json", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_start_sends_the_documented_input(world, capsys):
+    ok = run_json(capsys, "status", "run-ok")
+    assert ok["input"] == {"data_s3_uri": f"s3://{DATA}/incoming/catalog/v1/",
+                           "data_uri": "/fsx/data/incoming/catalog/v1", "dataset": "catalog", "version": "v1",
+                           "num_nodes": 3}
+    failed = run_json(capsys, "status", "run-failed")
+    assert failed["input"]["init_from"] == "/fsx/runs/run-ok"  # a bare run id means that run's dir
+    by_name = {s["jobName"]: s for s in world.hooks.submitted if s["parameters"]["run_id"] == "run-ok"}
+    assert by_name["train"]["nodeOverrides"] == {"numNodes": 3}
+    assert by_name["prepare"]["parameters"]["data_uri"] == "/fsx/data/incoming/catalog/v1"
+
+
+def test_start_experiment_goes_to_the_experiments_queue_and_names_itself(world, capsys):
+    out = run_json(capsys, "start", "--data-uri", "/fsx/data/incoming/catalog/v3", "--share", "experiments")
+    assert out["run_id"].startswith("catalog-v3-")
+    assert out["input"]["share"] == "experiments" and out["input"]["training_queue"].endswith("job-queue/experiments")
+
+
+def test_stop_aborts_a_running_run_and_is_a_no_op_on_a_finished_one(world, capsys):
+    # moto 5.2.5 cannot abort an execution inside a .sync Batch task (its callback wait raises), so
+    # the running case uses a one-state machine that waits; the finished case uses the real pipeline.
+    waiting = world.sfn.create_state_machine(
+        name="waits", roleArn=f"arn:aws:iam::{ENV.account}:role/sfn",
+        definition=json.dumps({"StartAt": "Wait", "States": {"Wait": {"Type": "Wait", "Seconds": 600, "End": True}}}),
+    )["stateMachineArn"]
+    execution = world.sfn.start_execution(stateMachineArn=waiting, name="long-run")["executionArn"]
+    while len(world.sfn.get_execution_history(executionArn=execution)["events"]) < 2:
+        time.sleep(0.05)  # moto cannot stop an execution whose worker has not started yet
+    out = run_json(capsys, "--state-machine-arn", waiting, "stop", "long-run", "--cause", "wrong data")
+    assert out == {"run_id": "long-run", "stopped": True, "status": "ABORTED", "cause": "wrong data"}
+    deadline = time.monotonic() + 10  # moto reflects the stop from the execution's worker thread
+    while world.sfn.describe_execution(executionArn=execution)["status"] == "RUNNING":
+        assert time.monotonic() < deadline, "the run was not stopped"
+        time.sleep(0.1)
+    assert world.sfn.describe_execution(executionArn=execution)["status"] == "ABORTED"
+    assert run_json(capsys, "stop", "run-ok") == {"run_id": "run-ok", "stopped": False, "status": "SUCCEEDED"}
+
+
+def test_start_with_a_taken_name_exits_6(world, capsys):
+    assert cli.main([*BASE, "start", "--data-uri", "/fsx/data/x", "--name", "run-ok"]) == 6
+    assert "already exists" in capsys.readouterr().err
+
+
+def test_status_shows_timeline_jobs_nodes_and_cost(world, capsys):
+    out = run_json(capsys, "status", "run-ok", "--price", "trn1.2xlarge=1.0")
+    assert out["status"] == "SUCCEEDED" and out["end_state"] == "Done"
+    assert [v["state"] for v in out["timeline"]][-4:] == ["PointerRecord", "Publish", "NotifyPublished", "Done"]
+    jobs = {j["step"]: j for j in out["jobs"]}
+    assert list(jobs) == ["Prepare", "Sanity", "Compile", "Train", "Validate", "Embed"]
+    assert all(j["job_id"] and j["status"] == "SUCCEEDED" for j in jobs.values())
+    assert jobs["Train"]["nodes"] == 3 and jobs["Train"]["instance_type"] == "trn1.32xlarge"
+    assert jobs["Prepare"]["nodes"] == 1 and jobs["Prepare"]["instance_type"] == "trn1.2xlarge"
+    # cost = job seconds x nodes x price, summed
+    expected = sum(j["seconds"] / 3600 * j["nodes"] * (21.50 if j["instance_type"] == "trn1.32xlarge" else 1.0)
+                   for j in jobs.values())
+    assert out["cost"]["total_usd"] == pytest.approx(expected, abs=1e-3)
+    assert out["cost"]["unpriced"] == []
+    assert out["metrics"] == {"recall@10": 0.5} and out["gate_passed"] is True
+
+
+def test_status_of_a_failed_run_names_the_step_job_and_reason(world, capsys):
+    capsys.readouterr()
+    assert cli.main([*BASE, "status", "run-failed"]) == 0
+    text = capsys.readouterr().out
+    assert "FAILED" in text and "failed in Train" in text
+    out = run_json(capsys, "status", "run-failed")
+    assert out["failure"]["state"] == "Train"
+    train = next(j for j in out["jobs"] if j["step"] == "Train")
+    assert out["failure"]["job_id"] == train["job_id"] and train["status"] == "FAILED"
+    assert "Validate" not in [j["step"] for j in out["jobs"]]
+
+
+def test_status_without_run_is_the_latest(world, capsys):
+    latest = world.sfn.list_executions(stateMachineArn=world.pipeline_arn, maxResults=1)["executions"][0]
+    assert run_json(capsys, "status")["run_id"] == latest["name"]
+
+
+def test_runs_lists_outcomes_metrics_and_cost(world, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "160")  # rich fits tables to the terminal
+    out = run_json(capsys, "runs", "--max", "10")
+    by_id = {r["run_id"]: r for r in out["runs"]}
+    assert by_id["run-ok"]["end_state"] == "Done" and by_id["run-ok"]["metrics"] == {"recall@10": 0.5}
+    assert by_id["run-rejected"]["end_state"] == "ModelRejected" and by_id["run-rejected"]["gate_passed"] is False
+    assert by_id["run-failed"]["status"] == "FAILED" and by_id["run-failed"]["failed_state"] == "Train"
+    # no cited price for trn1.2xlarge: the single-node steps are flagged, not guessed
+    assert "Prepare" in by_id["run-ok"]["unpriced"]
+    capsys.readouterr()
+    assert cli.main([*BASE, "runs"]) == 0
+    table = capsys.readouterr().out
+    assert "run-ok" in table and "ModelRejected" in table and "failed in Train" in table
+
+
+def test_logs_prints_the_jobs_log_stream(world, capsys):
+    status = run_json(capsys, "status", "run-ok")
+    train_id = next(j["job_id"] for j in status["jobs"] if j["step"] == "Train")
+    record = world.batch.describe_jobs(jobs=[train_id])["jobs"][0]
+    stream = record["container"]["logStreamName"]
+    logs = boto3.client("logs", region_name=REGION)
+    try:
+        logs.create_log_group(logGroupName="/aws/batch/job")
+    except logs.exceptions.ResourceAlreadyExistsException:
+        pass
+    logs.create_log_stream(logGroupName="/aws/batch/job", logStreamName=stream)
+    logs.put_log_events(logGroupName="/aws/batch/job", logStreamName=stream,
+                        logEvents=[{"timestamp": int(time.time() * 1000), "message": "step 10 loss 0.42"}])
+    out = run_json(capsys, "logs", "run-ok", "train")
+    assert out["job_id"] == train_id and [e["message"] for e in out["events"]] == ["step 10 loss 0.42"]
+
+
+@pytest.mark.parametrize("args,code,message", [
+    (["status", "no-such-run"], 3, "unknown run 'no-such-run'"),
+    (["logs", "run-ok", "bogus"], 3, "unknown step 'bogus'"),
+    (["logs", "run-rejected", "embed"], 3, "has no Embed job"),
+    (["--stage", "nope", "runs"], 4, "no stack TrnEmbed-nope-Pipeline"),
+    (["--state-machine-arn", f"arn:aws:states:{REGION}:123456789012:stateMachine:gone", "runs"], 4, "no state machine"),
+    (["status", "--price", "trn1.2xlarge"], 2, "INSTANCE_TYPE=USD_PER_HOUR"),
+])
+def test_clear_errors_and_exit_codes(world, capsys, args, code, message):
+    capsys.readouterr()
+    assert cli.main([*BASE, *args]) == code
+    assert message in capsys.readouterr().err
+
+
+def test_missing_credentials_exit_5(capsys, monkeypatch, tmp_path):
+    # Outside moto, with no credentials anywhere: botocore's NoCredentialsError becomes a fix-it.
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    for name in ("AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+                 "AWS_WEB_IDENTITY_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    assert cli.main([*BASE, "runs"]) == 5
+    assert "no AWS credentials" in capsys.readouterr().err
