@@ -153,7 +153,7 @@ def test_status_of_a_failed_run_names_the_step_job_and_reason(world, capsys):
     text = capsys.readouterr().out
     assert "FAILED" in text and "failed in Train" in text
     out = run_json(capsys, "status", "run-failed")
-    assert out["failure"]["state"] == "Train"
+    assert out["failure"]["state"] == "Train" and out["failure"]["error"] == "States.TaskFailed"
     train = next(j for j in out["jobs"] if j["step"] == "Train")
     assert out["failure"]["job_id"] == train["job_id"] and train["status"] == "FAILED"
     assert "Validate" not in [j["step"] for j in out["jobs"]]

@@ -1,0 +1,46 @@
+"""A SageMaker managed MLflow tracking server for the pipeline's experiment tracking (issue 6).
+
+The steps log to it through `MLFLOW_TRACKING_URI=<tracking server ARN>` (pipeline_steps/tracking.py;
+the image needs the `sagemaker-mlflow` plugin, which signs requests with the job role). Artifacts
+go to `s3://<artifacts bucket>/<artifact_prefix>`.
+
+IAM (https://docs.aws.amazon.com/sagemaker/latest/dg/mlflow-create-tracking-server-iam.html):
+- the server's own role (assumed by sagemaker.amazonaws.com) reads/writes the artifact prefix;
+- a client (the Batch job role) needs `sagemaker-mlflow:*` on the server ARN: `grant_access()`.
+"""
+
+from __future__ import annotations
+
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_s3 as s3
+from aws_cdk import aws_sagemaker as sagemaker
+from constructs import Construct
+
+
+class MlflowTracking(Construct):
+    """Public attributes: `tracking_server_arn` (the MLFLOW_TRACKING_URI value), `role`, `server`."""
+
+    def __init__(self, scope: Construct, construct_id: str, *, name: str, artifacts_bucket: s3.IBucket,
+                 artifact_prefix: str = "mlflow", size: str = "Small") -> None:
+        super().__init__(scope, construct_id)
+        if size not in ("Small", "Medium", "Large"):
+            raise ValueError(f"MlflowTracking size={size!r}: one of Small, Medium, Large.")
+        prefix = artifact_prefix.strip("/")
+        self.role = iam.Role(self, "ServerRole", assumed_by=iam.ServicePrincipal("sagemaker.amazonaws.com"),
+                             description="SageMaker MLflow tracking server: artifact store access")
+        artifacts_bucket.grant_read_write(self.role, f"{prefix}/*")
+        self.server = sagemaker.CfnMlflowTrackingServer(
+            self, "Server",
+            tracking_server_name=name,
+            artifact_store_uri=f"s3://{artifacts_bucket.bucket_name}/{prefix}",
+            role_arn=self.role.role_arn,
+            tracking_server_size=size,
+            automatic_model_registration=False,
+        )
+        self.server.node.add_dependency(self.role)
+        self.tracking_server_arn = self.server.attr_tracking_server_arn
+
+    def grant_access(self, grantee: iam.IGrantable) -> iam.Grant:
+        """Let a job role log runs (the sagemaker-mlflow data-plane actions on this server only)."""
+        return iam.Grant.add_to_principal(grantee=grantee, actions=["sagemaker-mlflow:*"],
+                                          resource_arns=[self.tracking_server_arn])
