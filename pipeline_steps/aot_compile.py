@@ -35,6 +35,7 @@ from typing import Any
 
 from . import distributed as dist_lib
 from .errors import BadConfigError, RetryableError
+from . import tracking
 from .fileio import atomic_write_json
 from .train import Trainer, add_train_args, resolve_train_config
 
@@ -148,4 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                  report["graphs_compiled"], report["train_steps"], report["seconds"])
     report["versions"] = dist_lib.versions()
     atomic_write_json(out, report)
+    # ---- tracking: this step as a child run of the pipeline's MLflow run (never fails the step)
+    tracking.log_step("compile", args.run_dir, params={"backend": backend, "preset": args.preset, "steps": args.steps},
+                      metrics=tracking.flatten(report))
     return 0

@@ -58,6 +58,7 @@ import torch
 
 from . import distributed
 from .errors import BadConfigError, BadInputError, RetryableError
+from . import tracking
 from .fileio import atomic_path, atomic_write_json, read_json, sha256_file
 
 log = logging.getLogger(__name__)
@@ -518,5 +519,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    run(parse_args(argv))
+    args = parse_args(argv)
+    result = run(args)
+    # ---- tracking: this step as a child run of the pipeline's MLflow run (never fails the step)
+    tracking.log_step("embed", args.run_dir, metrics=tracking.flatten(result.get("shard") or {}))
     return 0

@@ -41,6 +41,7 @@ import numpy as np
 from . import data as D
 from .config import DataConfig, get_preset, to_dict
 from .errors import BadConfigError, BadInputError, StepError
+from . import tracking
 from .fileio import atomic_write_bytes, atomic_write_json, sha256_file
 
 log = logging.getLogger("pipeline_steps.prepare")
@@ -386,4 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_json(out / "prepare.json", report)
     log.info("prepared %d products, %d train / %d holdout pairs in %s (%.1fs)", len(products), len(train),
              len(holdout), out, report["elapsed_s"])
+    # ---- tracking: this step as a child run of the pipeline's MLflow run (never fails the step)
+    tracking.log_step("prepare", args.run_dir, params={"preset": preset.name, "seed": args.seed},
+                      metrics=tracking.flatten(report), config={"data": to_dict(cfg)})
     return 0

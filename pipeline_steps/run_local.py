@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import cost, tracking
 from .errors import ExitCode
 from .fileio import atomic_write_json, read_json
 
@@ -190,6 +191,14 @@ def main(argv: list[str] | None = None) -> int:
                 later.status = "not_run"
             break
     report = build_report(args.run_dir, steps, args.backend, args.preset)
+    # ---- cost + tracking: the same cost fields as on AWS (compute price 0 here, durations real);
+    # the run-wide outcome on the parent MLflow run in DIR/mlruns (never fails the run)
+    report["cost"] = cost.local_cost([(s.name, s.seconds) for s in steps])
+    report["mlflow"] = {"tracking_uri": tracking.tracking_uri(args.run_dir), "run_id": tracking.log_pipeline(
+        args.run_dir, params={"preset": args.preset, "backend": args.backend},
+        metrics={**(report["validation"]["metrics"] or {}), "cost_usd": report["cost"]["total_usd"],
+                 "seconds": report["cost"]["seconds"]},
+        status="FINISHED" if report["passed"] else "FAILED", report=report)}
     atomic_write_json(args.run_dir / "report.json", report)
     print_summary(report)
     return code

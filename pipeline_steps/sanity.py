@@ -58,7 +58,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from . import distributed
+from . import distributed, tracking
 from .errors import BadConfigError, ExitCode, RetryableError
 from .fileio import atomic_write_json, read_json
 from .watchdog import Watchdog
@@ -612,6 +612,8 @@ def main(argv: list[str] | None = None) -> int:
         if world.is_main:
             summary = _summary(report, extra, failed_ranks, out_dir, time.monotonic() - started)
             atomic_write_json(out_dir / "sanity.json", summary)
+            # ---- tracking: this step as a child run of the pipeline's MLflow run (never fails the step)
+            tracking.log_step("sanity", args.run_dir, params={"backend": backend}, metrics=tracking.flatten(summary))
         if collectives_ok:
             # Keep every rank alive until rank 0 has written sanity.json: torchrun stops the
             # whole group as soon as one rank exits non-zero.

@@ -32,7 +32,7 @@ from typing import Any, Iterator
 
 import torch
 
-from . import checkpoint, data as data_lib, distributed as dist_lib
+from . import checkpoint, data as data_lib, distributed as dist_lib, tracking
 from .config import DataConfig, ModelConfig, TrainConfig, from_dict, get_preset, to_dict
 from .errors import BadConfigError, NonFiniteLossError
 from .fileio import append_jsonl, atomic_write_json, sha256_file
@@ -445,6 +445,12 @@ def main(argv: list[str] | None = None) -> int:
         if world.is_main:
             log.info("done: step %d, loss %.4f, holdout loss %s, %.0f tokens/s", summary["steps"],
                      summary["final_loss"] or float("nan"), summary["holdout_loss"], summary["tokens_per_s"] or 0)
+            # ---- tracking: this step as a child run of the pipeline's MLflow run (never fails the step)
+            tracking.log_step(
+                "train", args.run_dir, params={"preset": args.preset, "backend": world.backend,
+                                               "world_size": world.world_size, "init_from": args.init_from},
+                metrics=tracking.flatten(summary), config={"train": to_dict(cfg)},
+                history=tracking.jsonl_history(args.run_dir / "train" / "metrics.jsonl", ("loss", "lr", "tokens_per_s")))
     finally:
         dist_lib.shutdown()
     return 0

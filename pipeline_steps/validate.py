@@ -64,6 +64,7 @@ from . import distributed, metrics as metrics_lib
 from .embed import DEFAULT_BATCH_SIZE, InferenceModel, check_compatible, embed_products, embed_queries, \
     load_for_inference
 from .errors import BadConfigError, BadInputError, GateFailedError, RetryableError
+from . import tracking
 from .fileio import atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -532,6 +533,9 @@ def main(argv: list[str] | None = None) -> int:
             raise GateFailedError(f"parity failed: {report['reason']}; see {args.run_dir / 'validation/compare.json'}")
         return 0
     gate = run_validate(args)
+    # ---- tracking: this step as a child run of the pipeline's MLflow run (never fails the step)
+    tracking.log_step("validate", args.run_dir, params={"previous_metrics": args.previous_metrics},
+                      metrics={**(gate.get("metrics") or {}), "gate_passed": float(bool(gate["passed"]))})
     if not gate["passed"]:
         failed = "; ".join(r for r in gate["reasons"] if r.startswith("FAILED"))
         if args.gate_report_only:
