@@ -1,0 +1,595 @@
+"""The `bench` command: throughput as ratios that hold on any machine (issue 7).
+
+Measures, in one process, against a well-known peer and against this machine's own matmul ceiling:
+  train     tokens/s and achieved FLOP/s of one training step (pipeline_steps.train.Trainer.train_step)
+            per preset and backend; mfu_vs_ceiling = achieved FLOP/s / a large fp32 GEMM's FLOP/s;
+            train_ratio_vs_peer = our tokens/s / Hugging Face BertModel's with the same shape, batch,
+            sequence lengths, AdamW, grad clipping and in-batch contrastive loss on mean-pooled outputs.
+  xla       graphs compiled in a full local training run (tiny preset) and compiles after warm-up.
+  loader    batches/s TrainBatches produces / batches/s the train step consumes = loader_headroom.
+  embed     embeddings/s of the embed step's path (tokenise + embed.embed_products on a checkpoint
+            loaded by embed.load_for_inference) / sentence-transformers `encode` on a BertModel of the
+            same shape, same texts, same batch size = embed_ratio_vs_peer.
+  checkpoint  checkpoint.save / checkpoint.load seconds per GB on a base-size state (model + AdamW).
+
+Method: warm-up first; then `repeats` rounds in which ours and the peer (and the GEMM ceiling) run
+back to back, in alternating order; every ratio is taken within a round and the median over rounds
+is reported, so a noisy machine (other jobs) moves both sides of a ratio together. Timings never
+appear in tests; tests/steps/test_bench.py only checks that the command runs and writes its keys.
+
+Local:  python -m pipeline_steps bench --quick --out bench.json          (make bench; a few minutes)
+        python -m pipeline_steps bench --out bench.json                  (small + base, cpu + xla)
+        python -m pipeline_steps bench --presets tiny --backends cpu --quick   (the smoke test)
+Reading the numbers: benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from . import checkpoint, data as data_lib, distributed as dist_lib
+from .config import ModelConfig, get_preset
+from .fileio import atomic_write_json
+
+log = logging.getLogger(__name__)
+
+CEILING_GEMM_N = 2048
+"""Side of the square fp32 GEMM whose FLOP/s is this machine's ceiling (large enough to be
+compute-bound on any CPU; 17 GFLOP per call)."""
+EMBED_BATCH_SIZE = 64
+"""The embed step's default batch size (embed.DEFAULT_BATCH_SIZE), used for ours and the peer."""
+XLA_RUN_PRESET = "tiny"
+"""Preset of the full local XLA training run whose graphs are counted (CPU XLA compiles slowly)."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One training-step shape: rows per batch, query and product-text lengths in tokens."""
+
+    batch: int
+    query_length: int
+    doc_length: int
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * (self.query_length + self.doc_length)
+
+
+# ----------------------------------------------------------------------------- measurement helpers
+
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def alternate(fns: dict[str, Callable[[], Any]], *, repeats: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Seconds per call of each function: `warmup` untimed rounds, then `repeats` rounds in which
+    every function runs once, in forward order on even rounds and reverse order on odd ones."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for i in range(repeats):
+        for name in (list(fns) if i % 2 == 0 else list(reversed(fns))):
+            start = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def paired_ratio(numerator_s: list[float], denominator_s: list[float]) -> float:
+    """Median over rounds of denominator/numerator seconds: how many times faster `numerator` is."""
+    return _median([d / n for n, d in zip(numerator_s, denominator_s)])
+
+
+def machine_info(threads: int) -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {
+        "cpu": cpu, "logical_cpus": os.cpu_count(), "torch_threads": threads,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": platform.python_version(), "platform": platform.platform(),
+        "load_average_at_start": None if load is None else [round(x, 2) for x in load],
+        **{k: v for k, v in dist_lib.versions().items() if v is not None},
+        "transformers": _version("transformers"), "sentence-transformers": _version("sentence-transformers"),
+    }
+
+
+def _version(package: str) -> str | None:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def gemm_ceiling(device: torch.device, n: int) -> Callable[[], float]:
+    """A callable that runs one n x n fp32 GEMM and returns its FLOP count (2 n^3)."""
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+
+    def run() -> float:
+        torch.mm(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return 2.0 * n**3
+
+    return run
+
+
+# ----------------------------------------------------------------------------- FLOP accounting
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Weights of the encoder's Linear layers (biases, norms and embedding lookups do no matmul)."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return cfg.num_layers * (4 * h * h + 2 * h * i)
+
+
+def head_params(cfg: ModelConfig) -> int:
+    """Weights of both towers' MLP heads (+ aux classifier): applied once per row, not per token."""
+    fused = cfg.hidden_size + cfg.num_numeric + sum(
+        _cat_dim(c) for c in cfg.categorical_cardinalities)
+    heads = (cfg.hidden_size + fused) * cfg.mlp_hidden + 2 * cfg.mlp_hidden * cfg.embedding_dim
+    return heads + cfg.embedding_dim * cfg.num_classes
+
+
+def _cat_dim(cardinality: int) -> int:
+    from .model import categorical_embedding_dim
+
+    return categorical_embedding_dim(cardinality)
+
+
+def train_step_flops(cfg: ModelConfig, shape: Shape, *, heads: bool = True) -> float:
+    """Analytic FLOPs of one training step (forward + backward = 3 x forward), both towers:
+
+        6 * P_matmul * (B*Lq + B*Ld)                  dense layers, every token
+      + 12 * layers * H * B * (Lq^2 + Ld^2)           attention scores QK^T and weighted sum AV
+      + 6 * B * P_heads                               MLP heads, once per row (ours only)
+
+    The optimizer, softmax, LayerNorm and embedding lookups are not counted (O(params) or O(tokens*H))."""
+    b = shape.batch
+    dense = 6.0 * matmul_params(cfg) * shape.tokens
+    attention = 12.0 * cfg.num_layers * cfg.hidden_size * b * (shape.query_length**2 + shape.doc_length**2)
+    return dense + attention + (6.0 * b * head_params(cfg) if heads else 0.0)
+
+
+# ----------------------------------------------------------------------------- the training step
+
+def synthetic_batch(cfg: ModelConfig, shape: Shape, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A TrainBatches-style batch with every token real (no padding), so the analytic FLOPs are
+    the work done; same keys, dtypes and shapes as data.TrainBatches yields."""
+    g = torch.Generator().manual_seed(seed)
+    b = shape.batch
+
+    def ids(length: int) -> torch.Tensor:
+        # Ids >= 5 skip the special tokens (0 = [PAD]).
+        return torch.randint(5, cfg.vocab_size, (b, length), generator=g, dtype=torch.int64)
+
+    return {
+        "query_ids": ids(shape.query_length), "query_mask": torch.ones(b, shape.query_length, dtype=torch.int64),
+        "doc_ids": ids(shape.doc_length), "doc_mask": torch.ones(b, shape.doc_length, dtype=torch.int64),
+        "numeric": torch.zeros(b, cfg.num_numeric, dtype=torch.float32),
+        "categorical": torch.zeros(b, len(cfg.categorical_cardinalities), dtype=torch.int64),
+        "row_mask": torch.ones(b, dtype=torch.float32), "weight": torch.ones(b, dtype=torch.float32),
+        "class_id": torch.zeros(b, dtype=torch.int64) if cfg.num_classes else torch.full((b,), -100),
+        "product_index": torch.arange(b, dtype=torch.int64),
+    }
+
+
+def make_trainer(run_dir: Path, preset: str, backend: str):
+    from .train import Trainer
+
+    world = dist_lib.init(backend)
+    cfg = dataclasses.replace(get_preset(preset).train, stall_timeout_s=1e9)
+    return Trainer(run_dir, preset, cfg, world)
+
+
+def our_step(trainer, batch: dict[str, torch.Tensor], steps: int) -> Callable[[], None]:
+    """`steps` Trainer.train_step calls on a device batch; on XLA, waits for the last graph."""
+    world = trainer.world
+    device_batch = next(iter(dist_lib.device_batches(world, [batch])))
+    probe = next(trainer.model.parameters())
+
+    def run() -> None:
+        for _ in range(steps):
+            trainer.train_step(device_batch)
+        if world.is_xla:
+            # The optimizer graph runs asynchronously; reading a weight (device data, no new
+            # graph) waits for it, so the next measurement does not overlap this one.
+            probe.detach().cpu()
+
+    return run
+
+
+def peer_step(cfg: ModelConfig, shape: Shape, batch: dict[str, torch.Tensor], temperature: float,
+              steps: int, device: torch.device) -> Callable[[], None]:
+    """The same step in Hugging Face transformers: BertModel (sdpa attention, no pooler) shared by
+    both towers, mean pooling, L2 norm, symmetric in-batch InfoNCE, AdamW, grad clip 1.0."""
+    import torch.nn.functional as F
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    bert_cfg = BertConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                          num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                          intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_positions,
+                          hidden_dropout_prob=cfg.dropout, attention_probs_dropout_prob=cfg.dropout)
+    bert_cfg._attn_implementation = "sdpa"
+    model = BertModel(bert_cfg, add_pooling_layer=False).to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, eps=1e-6, weight_decay=0.01)
+    tensors = {k: v.to(device) for k, v in batch.items()}
+    targets = torch.arange(shape.batch, device=device)
+
+    def pooled(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        weights = mask.unsqueeze(-1).to(hidden.dtype)
+        return F.normalize((hidden * weights).sum(1) / weights.sum(1).clamp(min=1.0), dim=-1)
+
+    def run() -> None:
+        for _ in range(steps):
+            query = pooled(tensors["query_ids"], tensors["query_mask"])
+            doc = pooled(tensors["doc_ids"], tensors["doc_mask"])
+            logits = query @ doc.T / temperature
+            loss = 0.5 * (F.cross_entropy(logits, targets) + F.cross_entropy(logits.T, targets))
+            loss.backward()
+            float(loss.item())  # ours reads the loss on the host before the update too
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    return run
+
+
+def bench_train(preset: str, run_dir: Path, shape: Shape, backends: list[str], eager: str, *,
+                repeats: int, steps: int, ceiling: Callable[[], float]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Per backend: tokens/s, FLOP/s, mfu, ratio to the peer. Returns (results, trainers by backend)."""
+    trainers = {b: make_trainer(run_dir, preset, b) for b in backends}
+    cfg = next(iter(trainers.values())).model_cfg
+    batch = synthetic_batch(cfg, shape)
+    temperature = next(iter(trainers.values())).cfg.temperature
+    fns: dict[str, Callable[[], Any]] = {"ceiling": ceiling}
+    fns.update({b: our_step(t, batch, steps) for b, t in trainers.items()})
+    fns["peer"] = peer_step(cfg, shape, batch, temperature, steps, torch.device(eager))
+    # XLA: the first warm-up round compiles; the second must hit the cache (checked below).
+    xla = trainers.get("xla")
+    times = alternate(fns, repeats=0, warmup=2 if xla else 1)
+    compiles_before = dist_lib.compile_count(xla.world) if xla else None
+    times = alternate(fns, repeats=repeats, warmup=0)
+    flops = train_step_flops(cfg, shape)
+    ceiling_flops = 2.0 * CEILING_GEMM_N**3
+    ceilings = [ceiling_flops / t for t in times["ceiling"]]
+    results: dict[str, Any] = {
+        "shape": dataclasses.asdict(shape), "tokens_per_step": shape.tokens, "flops_per_step": flops,
+        "matmul_params": matmul_params(cfg), "ceiling_flops_per_s": _median(ceilings),
+        "peer": {"tokens_per_s": _median([shape.tokens * steps / t for t in times["peer"]]),
+                 "step_s": _median([t / steps for t in times["peer"]])},
+        "backends": {},
+    }
+    for backend in trainers:
+        t = times[backend]
+        achieved = [flops * steps / s for s in t]
+        results["backends"][backend] = {
+            "step_s": _median([s / steps for s in t]),
+            "tokens_per_s": _median([shape.tokens * steps / s for s in t]),
+            "flops_per_s": _median(achieved),
+            "mfu_vs_ceiling": _median([a / c for a, c in zip(achieved, ceilings)]),
+            "train_ratio_vs_peer": paired_ratio(t, times["peer"]),
+        }
+    if xla is not None:
+        results["backends"]["xla"]["compiles_during_timing"] = dist_lib.compile_count(xla.world) - compiles_before
+    return results, trainers
+
+
+# ----------------------------------------------------------------------------- XLA graph accounting
+
+def bench_xla_run(work: Path) -> dict[str, Any]:
+    """A full local training run (every epoch of the tiny demo) under XLA; its XlaAccounting report."""
+    from .train import run_training
+
+    run_dir = prepared_run_dir(work, XLA_RUN_PRESET, "xla-run")
+    trainer = make_trainer(run_dir, XLA_RUN_PRESET, "xla")
+    start = time.perf_counter()
+    summary = run_training(trainer, progress=False)
+    report = json.loads((run_dir / "train" / "xla.json").read_text())
+    return {"preset": XLA_RUN_PRESET, "steps": summary["steps"], "seconds": time.perf_counter() - start,
+            "graphs_compiled": report["graphs_compiled"], "compiles_after_warmup": report["compiles_after_warmup"],
+            "warmup_steps": report["warmup_steps"], "batch_shapes": len(report["batch_shapes"])}
+
+
+# ----------------------------------------------------------------------------- data loader
+
+def bench_loader(trainer, step_s: float, *, min_seconds: float = 1.0) -> dict[str, Any]:
+    """Batches/s of TrainBatches over whole epochs (host tensors, what the loop consumes) vs the
+    train step's batches/s."""
+    batches, start, epoch = 0, time.perf_counter(), 0
+    while time.perf_counter() - start < min_seconds:
+        for _ in trainer.batches.epoch(epoch):
+            batches += 1
+        epoch += 1
+    produced = batches / (time.perf_counter() - start)
+    consumed = 1.0 / step_s
+    return {"produced_batches_per_s": produced, "consumed_batches_per_s": consumed,
+            "loader_headroom": produced / consumed}
+
+
+# ----------------------------------------------------------------------------- embedding inference
+
+def _peer_encoder_dir(cfg: ModelConfig, tokenizer_path: Path, out: Path) -> Path:
+    """A randomly initialised BertModel of our shape + our tokenizer, saved where
+    sentence-transformers can load them (no model hub)."""
+    from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    bert_cfg = BertConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                          num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                          intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_positions)
+    BertModel(bert_cfg, add_pooling_layer=False).save_pretrained(out)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_path), unk_token="[UNK]", pad_token="[PAD]",
+                                        cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def bench_embed(trainer, work: Path, *, num_texts: int, repeats: int, eager: str) -> dict[str, Any]:
+    """Ours: tokenise (as prepare does) + embed.embed_products on the checkpoint loaded by
+    embed.load_for_inference. Peer: SentenceTransformer(Transformer + mean Pooling).encode with
+    normalize_embeddings. Same texts, same batch size."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.models import Pooling, Transformer
+
+    from .embed import embed_products, load_for_inference
+
+    ckpt_dir = work / "embed-checkpoint"
+    path = checkpoint.save(ckpt_dir, trainer.checkpoint_state(), keep=2)
+    inference = load_for_inference(path, eager)
+    prepared, cfg = trainer.prepared, trainer.model_cfg
+    products = prepared.products
+    rows = np.arange(min(num_texts, len(products)), dtype=np.int64)
+    texts = [products.texts[i] for i in rows]
+    buckets = prepared.data_cfg.length_buckets
+    tokenizer = data_lib.load_tokenizer(prepared.tokenizer_path)
+
+    def ours() -> np.ndarray:
+        token_ids, lengths = data_lib.encode_texts(tokenizer, texts, max(buckets))
+        view = dataclasses.replace(products, token_ids=token_ids, lengths=lengths,
+                                   numeric=products.numeric[rows], categorical=products.categorical[rows])
+        return embed_products(inference, view, np.arange(len(rows)), batch_size=EMBED_BATCH_SIZE, buckets=buckets)
+
+    peer_dir = _peer_encoder_dir(cfg, prepared.tokenizer_path, work / "peer-encoder")
+    transformer = Transformer(str(peer_dir), max_seq_length=max(buckets))
+    peer_model = SentenceTransformer(modules=[transformer, Pooling(cfg.hidden_size, pooling_mode="mean")],
+                                     device=eager)
+
+    def peer() -> np.ndarray:
+        return peer_model.encode(texts, batch_size=EMBED_BATCH_SIZE, normalize_embeddings=True,
+                                 convert_to_numpy=True, show_progress_bar=False)
+
+    times = alternate({"ours": ours, "peer": peer}, repeats=repeats)
+    tokens = int(np.minimum(products.lengths[rows], max(buckets)).sum())
+    return {"preset": trainer.preset, "texts": len(rows), "batch_size": EMBED_BATCH_SIZE,
+            "real_tokens": tokens, "buckets": list(buckets),
+            "ours_embeddings_per_s": _median([len(rows) / t for t in times["ours"]]),
+            "peer_embeddings_per_s": _median([len(rows) / t for t in times["peer"]]),
+            "embed_ratio_vs_peer": paired_ratio(times["ours"], times["peer"])}
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def bench_checkpoint(trainer, work: Path, *, repeats: int) -> dict[str, Any]:
+    """checkpoint.save (torch.save + fsync + sha256 + manifest) and checkpoint.load (sha256 verify +
+    torch.load) of the trainer's full state (model + AdamW moments), seconds per GB."""
+    state = trainer.checkpoint_state()
+    ckpt_dir = work / "checkpoint-bench"
+    save_s, load_s, size = [], [], 0
+    for i in range(repeats):
+        start = time.perf_counter()
+        path = checkpoint.save(ckpt_dir, {**state, "step": i}, keep=2)
+        save_s.append(time.perf_counter() - start)
+        size = path.stat().st_size
+        start = time.perf_counter()
+        checkpoint.load(path)
+        load_s.append(time.perf_counter() - start)
+    gb = size / 1e9
+    return {"preset": trainer.preset, "bytes": size, "save_s": _median(save_s), "load_s": _median(load_s),
+            "checkpoint_save_s_per_gb": _median(save_s) / gb, "checkpoint_load_s_per_gb": _median(load_s) / gb,
+            "directory_filesystem": str(work)}
+
+
+# ----------------------------------------------------------------------------- orchestration
+
+def prepared_run_dir(work: Path, preset: str, name: str | None = None) -> Path:
+    """A run dir holding the preset's prepared demo data (prepared once per preset, then copied)."""
+    import shutil
+
+    from . import prepare
+
+    source = work / f"prepared-{preset}"
+    if not (source / "prepared" / "prepare.json").exists():
+        prepare.main(["--run-dir", str(source), "--demo", "--preset", preset])
+    target = work / (name or f"run-{preset}")
+    if not target.exists():
+        shutil.copytree(source, target)
+    return target
+
+
+def train_shape(preset: str, quick: bool) -> Shape:
+    data = get_preset(preset).data
+    shape = Shape(data.batch_size, data.query_length, max(data.length_buckets))
+    if quick and preset in ("base", "large"):
+        # A BERT-base step at batch 32 x (32 + 128) tokens is ~3 TFLOP: tens of seconds on 2 cores.
+        shape = Shape(8, data.query_length, min(data.length_buckets))
+    return shape
+
+
+def _quiet_peers() -> None:
+    """The peers' load reports and progress bars would bury the table."""
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    _quiet_peers()
+    eager = "cuda" if torch.cuda.is_available() else "cpu"
+    presets = [p.strip() for p in args.presets.split(",") if p.strip()]
+    backends = [eager if b.strip() in ("cpu", "cuda") else b.strip() for b in args.backends.split(",") if b.strip()]
+    for p in presets:
+        get_preset(p)
+    repeats = args.repeats or (3 if args.quick else 5)
+    notes: list[str] = []
+    work = Path(tempfile.mkdtemp(prefix="bench-", dir=args.work_dir))
+    result: dict[str, Any] = {"quick": args.quick, "repeats": repeats,
+                              "machine": machine_info(torch.get_num_threads()), "train": {}, "notes": notes}
+    ceiling = gemm_ceiling(torch.device(eager), CEILING_GEMM_N)
+    step_s: dict[str, float] = {}
+    trainers: dict[str, Any] = {}
+    for preset in presets:
+        shape = train_shape(preset, args.quick)
+        preset_backends = backends
+        if args.quick and preset in ("base", "large") and "xla" in backends:
+            # Compiling a BERT-base training graph on XLA:CPU takes minutes; the full run does it.
+            preset_backends = [b for b in backends if b != "xla"] or backends
+            notes.append(f"quick: {preset} measured on {','.join(preset_backends)} only (no xla)")
+        if shape != train_shape(preset, quick=False):
+            notes.append(f"quick: {preset} at a reduced shape batch {shape.batch}, query {shape.query_length}, "
+                         f"doc {shape.doc_length} tokens")
+        # One step per timed call: >= 0.1 s everywhere but tiny, and rounds stay short.
+        steps = 3 if preset == "tiny" else 1
+        log.info("bench train %s %s %s", preset, preset_backends, shape)
+        res, by_backend = bench_train(preset, prepared_run_dir(work, preset), shape, preset_backends, eager,
+                                      repeats=repeats, steps=steps, ceiling=ceiling)
+        result["train"][preset] = res
+        trainers[preset] = by_backend
+        step_s[preset] = min(r["step_s"] for r in res["backends"].values())
+
+    # ---- headline ratios: the largest preset measured (base when present)
+    headline = presets[-1]
+    head = result["train"][headline]["backends"]
+    result["train_ratio_vs_peer"] = head[eager]["train_ratio_vs_peer"] if eager in head else \
+        max(r["train_ratio_vs_peer"] for r in head.values())
+    result["mfu_vs_ceiling"] = max(r["mfu_vs_ceiling"] for r in head.values())
+    result["mfu_vs_ceiling_by_preset"] = {p: {b: r["mfu_vs_ceiling"] for b, r in res["backends"].items()}
+                                          for p, res in result["train"].items()}
+    result["headline_preset"] = headline
+
+    # ---- loader headroom against the fastest step of the smallest preset (the hardest case)
+    loader = {p: bench_loader(next(iter(trainers[p].values())), step_s[p]) for p in presets}
+    result["loader"] = loader
+    result["loader_headroom"] = min(v["loader_headroom"] for v in loader.values())
+
+    # ---- XLA graphs
+    if "xla" in backends:
+        log.info("bench xla: full local training run of the %s demo", XLA_RUN_PRESET)
+        xla_run = bench_xla_run(work)
+        result["xla"] = xla_run
+        result["graphs_compiled"] = xla_run["graphs_compiled"]
+        result["compiles_after_warmup"] = xla_run["compiles_after_warmup"]
+    else:
+        result["graphs_compiled"] = result["compiles_after_warmup"] = None
+
+    # ---- embedding inference on the first preset (small in the default list)
+    embed_preset = presets[0] if args.quick else headline
+    log.info("bench embed %s", embed_preset)
+    result["embed"] = bench_embed(trainers[embed_preset][eager] if eager in trainers[embed_preset]
+                                  else make_trainer(prepared_run_dir(work, embed_preset), embed_preset, eager),
+                                  work, num_texts=512 if args.quick else 2048, repeats=repeats, eager=eager)
+    result["embed_ratio_vs_peer"] = result["embed"]["embed_ratio_vs_peer"]
+
+    # ---- checkpoints on the largest preset's state
+    result["checkpoint"] = bench_checkpoint(next(iter(trainers[headline].values())), work, repeats=repeats)
+    result["checkpoint_save_s_per_gb"] = result["checkpoint"]["checkpoint_save_s_per_gb"]
+    result["checkpoint_load_s_per_gb"] = result["checkpoint"]["checkpoint_load_s_per_gb"]
+    if not args.keep_work:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+TARGETS = {"train_ratio_vs_peer": (">=", 1.0), "embed_ratio_vs_peer": (">=", 1.5), "loader_headroom": (">=", 10.0),
+           "compiles_after_warmup": ("==", 0)}
+
+
+def _met(value: Any, op: str, target: float) -> str:
+    if value is None:
+        return "n/a"
+    return "yes" if (value >= target if op == ">=" else value == target) else "NO"
+
+
+def print_report(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 150))  # the tables stay readable in logs and CI
+    table = Table(title="training step (median of paired rounds)")
+    for col in ("preset", "backend", "batch x (q+doc)", "step s", "tokens/s", "GFLOP/s", "ceiling GFLOP/s",
+                "mfu_vs_ceiling", "peer tokens/s", "ratio vs peer"):
+        table.add_column(col, justify="right")
+    for preset, res in result["train"].items():
+        s = res["shape"]
+        for backend, r in res["backends"].items():
+            table.add_row(preset, backend, f"{s['batch']} x ({s['query_length']}+{s['doc_length']})",
+                          f"{r['step_s']:.3f}", f"{r['tokens_per_s']:.0f}", f"{r['flops_per_s'] / 1e9:.1f}",
+                          f"{res['ceiling_flops_per_s'] / 1e9:.1f}", f"{r['mfu_vs_ceiling']:.1%}",
+                          f"{res['peer']['tokens_per_s']:.0f}", f"{r['train_ratio_vs_peer']:.2f}")
+    console.print(table)
+    summary = Table(title="targets")
+    for col in ("metric", "value", "target", "met"):
+        summary.add_column(col)
+    for key, (op, target) in TARGETS.items():
+        value = result.get(key)
+        summary.add_row(key, "n/a" if value is None else f"{value:.3g}" if isinstance(value, float) else str(value),
+                        f"{op} {target}", _met(value, op, target))
+    summary.add_row("mfu_vs_ceiling", f"{result['mfu_vs_ceiling']:.1%}", "as high as possible", "-")
+    summary.add_row("graphs_compiled", str(result.get("graphs_compiled")), "-", "-")
+    summary.add_row("checkpoint_save_s_per_gb", f"{result['checkpoint_save_s_per_gb']:.2f}", "-", "-")
+    summary.add_row("checkpoint_load_s_per_gb", f"{result['checkpoint_load_s_per_gb']:.2f}", "-", "-")
+    e = result["embed"]
+    summary.add_row("embed embeddings/s ours / peer", f"{e['ours_embeddings_per_s']:.0f} / {e['peer_embeddings_per_s']:.0f}",
+                    f"({e['preset']}, {e['texts']} texts, batch {e['batch_size']})", "-")
+    console.print(summary)
+    m = result["machine"]
+    console.print(f"machine: {m['cpu']}, {m['logical_cpus']} logical CPUs, {m['torch_threads']} torch threads, "
+                  f"torch {m.get('torch')}, torch-xla {m.get('torch-xla')}, load {m['load_average_at_start']}")
+    for note in result["notes"]:
+        console.print(f"note: {note}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline_steps bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="a few minutes on 2 cores: base at batch 8 x (32+64) and eager only, 3 rounds")
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON (bench.json)")
+    parser.add_argument("--presets", default="small,base", help="comma-separated, smallest first (default small,base)")
+    parser.add_argument("--backends", default="cpu,xla", help="cpu (= cuda when present) and/or xla")
+    parser.add_argument("--repeats", type=int, default=0, help="paired rounds (default 3 quick, 5 full)")
+    parser.add_argument("--work-dir", type=Path, default=None, help="where temporary run dirs go (default $TMPDIR)")
+    parser.add_argument("--keep-work", action="store_true", help="keep the temporary run dirs")
+    args = parser.parse_args(argv)
+    result = run(args)
+    print_report(result)
+    if args.out is not None:
+        atomic_write_json(args.out, result)
+        log.info("wrote %s", args.out)
+    return 0
