@@ -13,13 +13,16 @@ would be silently ignored by plain python -- so this app refuses command-line ar
 
 Other context keys: region / account (else CDK_DEFAULT_REGION / CDK_DEFAULT_ACCOUNT, which the
 cdk CLI sets from your credentials, else the stage's defaults: region pinned, account-agnostic),
-nag=false to skip cdk-nag. The output goes to $CDK_OUTDIR (set by the cdk CLI) or ./cdk.out.
+git_commit (else `git rev-parse HEAD` of this checkout, else "unknown": the training image's
+GIT_COMMIT build arg, so a given commit always synthesizes the same image asset), nag=false to
+skip cdk-nag. The output goes to $CDK_OUTDIR (set by the cdk CLI) or ./cdk.out.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -41,6 +44,16 @@ def cdk_json_context() -> dict[str, object]:
     return dict(json.loads((Path(__file__).parent / "cdk.json").read_text())["context"])
 
 
+def git_head() -> str | None:
+    """The checkout's commit, or None outside a git work tree (a source tarball, no git)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                             text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv:
@@ -54,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = stage.with_env(
             account=app.node.try_get_context("account") or os.environ.get("CDK_DEFAULT_ACCOUNT"),
             region=app.node.try_get_context("region") or os.environ.get("CDK_DEFAULT_REGION"),
+            git_commit=str(app.node.try_get_context("git_commit") or git_head() or "unknown"),
         )
         build_stage(app, cfg)
     except ValueError as exc:  # config validation: the message carries the fix

@@ -1,5 +1,8 @@
-"""Compute stack: Batch compute environments, queues, job definitions and the training image.
-Wiring only; the decisions live in stacks/constructs/trainium_compute.py and job_definitions.py."""
+"""Compute stack: Batch compute environments, queues, job definitions, the training image and,
+when the stage enables it, the SageMaker managed MLflow tracking server the jobs log to (here,
+beside the job role it grants, so no stack depends back on this one).
+Wiring only; the decisions live in stacks/constructs/trainium_compute.py, job_definitions.py and
+mlflow_tracking.py."""
 
 from __future__ import annotations
 
@@ -12,9 +15,10 @@ from constructs import Construct
 
 from stacks.config import StageConfig
 from stacks.constructs.job_definitions import JobDefinitions
+from stacks.constructs.mlflow_tracking import MlflowTracking
 from stacks.constructs.retention import retention_days
 from stacks.constructs.trainium_compute import TrainiumCompute
-from stacks.constructs.training_image import training_image
+from stacks.constructs.training_image import training_image_asset
 from stacks.network_stack import NetworkStack
 from stacks.storage_stack import StorageStack
 
@@ -23,7 +27,9 @@ class ComputeStack(Stack):
     """Public attributes: queues (dict: "production", "experiments", "single-node"),
     job_definitions (dict: "sanity", "compile", "train", "prepare", "validate", "embed", "canary"),
     share_identifiers (tuple[str, ...]), compute_environments (dict: "training", "single-node"),
-    job_role, job_log_group, image (ecs.ContainerImage), compute, jobs (the constructs)."""
+    job_role, job_log_group, image (ecs.ContainerImage), image_uri, compute, jobs (the constructs),
+    mlflow (MlflowTracking, or None unless pipeline.mlflow_tracking == "managed"),
+    mlflow_tracking_uri (the jobs' MLFLOW_TRACKING_URI, or None)."""
 
     def __init__(
         self,
@@ -33,13 +39,31 @@ class ComputeStack(Stack):
         config: StageConfig,
         network: NetworkStack,
         storage: StorageStack,
-        image: ecs.ContainerImage | None = None,
+        image_uri: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(scope, construct_id, **kwargs)
         cfg = config.compute
-        # Tests inject a registry image so snapshots don't churn with the asset hash.
-        self.image = image if image is not None else training_image(self, "TrainingImage")
+        # Tests inject a registry image so snapshots don't churn with the asset hash (which
+        # includes the GIT_COMMIT build arg).
+        if image_uri is None:
+            asset = training_image_asset(self, "TrainingImage", git_commit=config.git_commit)
+            self.image, self.image_uri = ecs.ContainerImage.from_docker_image_asset(asset), asset.image_uri
+        else:
+            self.image, self.image_uri = ecs.ContainerImage.from_registry(image_uri), image_uri
+
+        self.mlflow: MlflowTracking | None = None
+        self.mlflow_tracking_uri = config.pipeline.mlflow_tracking
+        if config.pipeline.mlflow_managed:
+            self.mlflow = MlflowTracking(self, "Mlflow", name=f"{config.project}-{config.name}",
+                                         artifacts_bucket=storage.artifacts_bucket,
+                                         size=config.pipeline.mlflow_server_size)
+            self.mlflow_tracking_uri = self.mlflow.tracking_server_arn
+        # What pipeline_steps/tracking.py reads; INSTANCE_TYPE is set per job definition.
+        tracking_env = {"MLFLOW_EXPERIMENT_NAME": f"{config.project}-{config.name}",
+                        "TRAINING_IMAGE_URI": self.image_uri}
+        if self.mlflow_tracking_uri is not None:
+            tracking_env["MLFLOW_TRACKING_URI"] = self.mlflow_tracking_uri
 
         self.compute = TrainiumCompute(
             self,
@@ -70,6 +94,7 @@ class ComputeStack(Stack):
             environment={
                 "PIPELINE_STAGE": config.name,
                 "NEURON_COMPILE_CACHE_URL_BASE": storage.cache_bucket.s3_url_for_object("neuron"),
+                **tracking_env,
             },
             log_retention=retention_days(cfg.log_retention_days),
         )
@@ -87,6 +112,8 @@ class ComputeStack(Stack):
         storage.data_bucket.grant_read(self.job_role)
         storage.artifacts_bucket.grant_read_write(self.job_role)
         storage.cache_bucket.grant_read_write(self.job_role)
+        if self.mlflow is not None:
+            self.mlflow.grant_access(self.job_role)
 
         NagSuppressions.add_resource_suppressions(
             self.compute.instance_role,
@@ -120,6 +147,8 @@ class ComputeStack(Stack):
             ],
             apply_to_children=True,
         )
+        if self.mlflow is not None:
+            self._acknowledge_mlflow(self.mlflow)
         NagSuppressions.add_resource_suppressions(
             self.jobs.execution_role,
             [
@@ -128,6 +157,41 @@ class ComputeStack(Stack):
                     reason="ecr:GetAuthorizationToken has no resource-level permissions (it must be '*'); the image "
                     "pull actions themselves are scoped to the asset repository by the CDK image grant.",
                     applies_to=["Resource::*"],
+                )
+            ],
+            apply_to_children=True,
+        )
+
+    def _acknowledge_mlflow(self, mlflow: MlflowTracking) -> None:
+        NagSuppressions.add_resource_suppressions(
+            self.job_role,
+            [
+                NagPackSuppression(
+                    id="AwsSolutions-IAM5",
+                    reason="MlflowTracking.grant_access: 'sagemaker-mlflow:*' is the data-plane action set the "
+                    "MLflow client needs (create/search experiments and runs, log batches and artifacts), per the "
+                    "SageMaker MLflow IAM guide, and the resource is this stage's one tracking server ARN.",
+                    applies_to=["Action::sagemaker-mlflow:*"],
+                )
+            ],
+            apply_to_children=True,
+        )
+        NagSuppressions.add_resource_suppressions(
+            mlflow.role,
+            [
+                NagPackSuppression(
+                    id="AwsSolutions-IAM5",
+                    reason="artifacts_bucket.grant_read_write(role, 'mlflow/*'): the tracking server writes run "
+                    "artifacts under arbitrary keys below the mlflow/ prefix only; the action groups "
+                    "(s3:GetObject*, s3:List*, kms:GenerateDataKey*, ...) are CDK's minimal grant sets.",
+                    applies_to=[
+                        RegexAppliesTo(
+                            regex=r"/^Resource::(<|.*ExportsOutputFnGetAtt)ArtifactsBucket[0-9A-F]+"
+                            r"(\.Arn>|Arn[0-9A-F]+)\/mlflow\/\*$/g"
+                        ),
+                        RegexAppliesTo(regex=r"/^Action::s3:(GetBucket|GetObject|List|Abort|DeleteObject|PutObject)\*$/g"),
+                        RegexAppliesTo(regex=r"/^Action::kms:(GenerateDataKey|ReEncrypt)\*$/g"),
+                    ],
                 )
             ],
             apply_to_children=True,

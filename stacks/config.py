@@ -360,8 +360,16 @@ class StageConfig:
     compute: ComputeConfig = field(default_factory=ComputeConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     tags: Mapping[str, str] = field(default_factory=dict)
+    git_commit: str = "unknown"
+    """Commit the training image is built from (Docker build arg GIT_COMMIT, baked into the image's
+    env; MLflow logs it with every step). app.py fills it from `git rev-parse HEAD`; it never
+    reaches a template directly, only the image asset's build args (and so its hash)."""
 
     def __post_init__(self) -> None:
+        if not re.match(r"^([0-9a-f]{7,40}|unknown)$", self.git_commit):
+            raise ValueError(
+                f"StageConfig.git_commit={self.git_commit!r}: a hex commit id (git rev-parse HEAD) or 'unknown'."
+            )
         if not re.match(r"^[a-z][a-z0-9-]{0,15}$", self.name):
             raise ValueError(f"StageConfig.name={self.name!r}: lowercase letters, digits and '-', max 16 chars.")
         if not re.match(r"^[A-Za-z][A-Za-z0-9]{0,23}$", self.project):
@@ -387,6 +395,15 @@ class StageConfig:
                     f"Stage {self.name!r}: pipeline share {share!r} is not one of compute.shares "
                     f"{self.compute.share_identifiers}."
                 )
+
+        if self.pipeline.mlflow_managed and self.network.vpc_id is None and self.network.nat_gateways < 1:
+            # The sagemaker-mlflow plugin calls https://<region>.experiments.sagemaker.aws; the stage's
+            # VPC endpoints do not cover it, so without NAT every step would only warn and skip tracking.
+            raise ValueError(
+                f"Stage {self.name!r}: pipeline.mlflow_tracking='managed' needs internet egress from the "
+                "private subnets to reach the SageMaker MLflow endpoint; set network.nat_gateways>=1, or "
+                "use mlflow_tracking=None (run-local file store) for this stage."
+            )
 
     @property
     def availability_zones(self) -> tuple[str, ...]:
@@ -416,9 +433,11 @@ class StageConfig:
             f"commit stacks/neuron_amis.json. Pinned regions: {sorted(self.compute.neuron_ami_ids) or 'none'}."
         )
 
-    def with_env(self, *, account: str | None = None, region: str | None = None) -> StageConfig:
-        """A copy targeting another account/region (validated again)."""
-        return replace(self, account=account or self.account, region=region or self.region)
+    def with_env(self, *, account: str | None = None, region: str | None = None,
+                 git_commit: str | None = None) -> StageConfig:
+        """A copy targeting another account/region, or built from another commit (validated again)."""
+        return replace(self, account=account or self.account, region=region or self.region,
+                       git_commit=git_commit or self.git_commit)
 
 
 # ECS-optimized AL2023 Neuron AMI pins, from the committed file (empty until someone with AWS
@@ -440,6 +459,7 @@ STAGES: Mapping[str, StageConfig] = MappingProxyType(
                 allow_unpinned_ami=True,
                 runnable_timeout_minutes=120,
             ),
+            # No MLflow server in dev: runs log to DIR/mlruns (mlflow_tracking=None), and dev has no NAT.
             pipeline=PipelineConfig(canary_interval_minutes=None),
             tags={"stage": "dev"},
         ),
@@ -453,7 +473,9 @@ STAGES: Mapping[str, StageConfig] = MappingProxyType(
                 max_nodes=8,
                 neuron_ami_ids=PINNED_NEURON_AMIS,  # prod requires a pin for its region
             ),
-            pipeline=PipelineConfig(default_num_nodes=4),
+            # A managed MLflow server (~always-on cost) so every prod run is comparable in one place;
+            # dev keeps each run's own file store (DIR/mlruns, exported to S3) and pays nothing.
+            pipeline=PipelineConfig(default_num_nodes=4, mlflow_tracking="managed"),
             tags={"stage": "prod"},
         ),
     }

@@ -25,6 +25,11 @@ _SHARE_RE = re.compile(r"^[A-Za-z0-9_]{1,255}$")
 # Step Functions retriers: MaxDelaySeconds must be < 31622400 (one year); keep it sane instead.
 _MAX_RETRY_DELAY_SECONDS = 3600
 _EMAIL_RE = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$")
+# A tracking URI has a scheme ("https://...", "arn:aws:sagemaker:...", "databricks", "file:///...").
+_URI_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:\S+$")
+MLFLOW_MANAGED = "managed"
+# SageMaker managed MLflow tracking server sizes (AWS::SageMaker::MlflowTrackingServer TrackingServerSize).
+MLFLOW_SERVER_SIZES: tuple[str, ...] = ("Small", "Medium", "Large")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,6 +101,20 @@ class PipelineConfig:
 
     log_retention_days: int = 365
     """Retention of the state machine's execution log group (a valid CloudWatch value)."""
+
+    # -- Experiment tracking (MLflow, issue 6; pipeline_steps/tracking.py) ------------------
+    mlflow_tracking: str | None = None
+    """Where every step logs its MLflow child run (job env MLFLOW_TRACKING_URI):
+    "managed" = the compute stack creates a SageMaker managed MLflow tracking server
+    (stacks/constructs/mlflow_tracking.py) and the jobs log to its ARN; any other string is used
+    as the tracking URI as is (e.g. an existing server's ARN or https URL); None = no server: each
+    run logs to its own file store DIR/mlruns on FSx, exported to S3 with the run. Default None
+    (unlike the other defaults here, not the production value): a managed server is billed every
+    hour it exists, so a stage opts in (prod does, see stacks/config.py STAGES)."""
+
+    mlflow_server_size: str = "Small"
+    """Managed server size (Small, Medium, Large). Small serves up to ~25 users / light
+    load, plenty for one pipeline's step-level logging."""
 
     def __post_init__(self) -> None:
         if self.default_num_nodes < 1:
@@ -170,6 +189,24 @@ class PipelineConfig:
             )
         if self.log_retention_days < 1:
             raise ValueError(f"PipelineConfig.log_retention_days={self.log_retention_days}: must be >= 1.")
+        tracking = self.mlflow_tracking
+        if tracking is not None and tracking != MLFLOW_MANAGED and (
+                tracking.strip().lower() == MLFLOW_MANAGED or not _URI_RE.match(tracking)):
+            raise ValueError(
+                f"PipelineConfig.mlflow_tracking={tracking!r}: use {MLFLOW_MANAGED!r} (a SageMaker managed "
+                "MLflow server created by the stack), a tracking URI with a scheme (e.g. "
+                "'arn:aws:sagemaker:us-east-1:123456789012:mlflow-tracking-server/NAME' or 'https://...'), "
+                "or None (each run's file store DIR/mlruns)."
+            )
+        if self.mlflow_server_size not in MLFLOW_SERVER_SIZES:
+            raise ValueError(
+                f"PipelineConfig.mlflow_server_size={self.mlflow_server_size!r}: use one of {MLFLOW_SERVER_SIZES}."
+            )
+
+    @property
+    def mlflow_managed(self) -> bool:
+        """True when the stage runs its own SageMaker managed MLflow tracking server."""
+        return self.mlflow_tracking == MLFLOW_MANAGED
 
     def timeout_minutes(self, step: str) -> int:
         """Timeout of a Batch state by its state name (one of BATCH_STEPS)."""

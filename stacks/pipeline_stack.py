@@ -30,7 +30,10 @@ class PipelineStack(Stack):
     def __init__(self, scope: Construct, construct_id: str, *, config: PipelineConfig, stage: str,
                  data_bucket: s3.IBucket, artifacts_bucket: s3.IBucket,
                  queues: Mapping[str, batch.IJobQueue], job_definitions: Mapping[str, batch.IJobDefinition],
+                 instance_types: Mapping[str, str], mlflow_tracking_server_arn: str | None = None,
                  **kwargs: Any) -> None:
+        """`instance_types`: "training" / "single-node" -> EC2 instance type of the queues' compute
+        environments; with `mlflow_tracking_server_arn`, outputs for the operator CLI (pipeline_ops)."""
         super().__init__(scope, construct_id, **kwargs)
         alerts = AlertTopic(self, "Alerts", notification_email=config.notification_email)
         self.topic = alerts.topic
@@ -58,6 +61,12 @@ class PipelineStack(Stack):
         CfnOutput(self, "TopicArn", value=self.topic.topic_arn)
         CfnOutput(self, "ExperimentsQueueArn", value=queues["experiments"].job_queue_arn)
         CfnOutput(self, "DashboardName", value=self.monitoring.dashboard.dashboard_name)
+        # trainium-runs prices each Batch job by these (pipeline_ops/cli.py Context.instance_types).
+        CfnOutput(self, "TrainingInstanceType", value=instance_types["training"])
+        CfnOutput(self, "SingleNodeInstanceType", value=instance_types["single-node"])
+        if mlflow_tracking_server_arn is not None:
+            CfnOutput(self, "MlflowTrackingServerArn", value=mlflow_tracking_server_arn,
+                      description="MLFLOW_TRACKING_URI of the pipeline's jobs (SageMaker managed MLflow)")
         self._acknowledge()
 
     def _acknowledge(self) -> None:

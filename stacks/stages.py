@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from aws_cdk import Environment, Stack, Tags
-from aws_cdk import aws_ecs as ecs
 from constructs import Construct
 
 from stacks.compute_stack import ComputeStack
@@ -13,9 +12,9 @@ from stacks.pipeline_stack import PipelineStack
 from stacks.storage_stack import StorageStack
 
 
-def build_stage(scope: Construct, cfg: StageConfig, *, image: ecs.ContainerImage | None = None) -> dict[str, Stack]:
+def build_stage(scope: Construct, cfg: StageConfig, *, image_uri: str | None = None) -> dict[str, Stack]:
     """Create the stage's stacks under `scope` and return them by role: "network", "storage",
-    "compute", "pipeline". `image` replaces the training image asset (tests pass a registry image).
+    "compute", "pipeline". `image_uri` (a registry image) replaces the training image asset (tests).
     Raises ValueError (with the fix-it) when the stage's AMI policy cannot be met, e.g. prod
     without a pinned Neuron AMI for its region."""
     env = Environment(account=cfg.account, region=cfg.region)
@@ -24,12 +23,15 @@ def build_stage(scope: Construct, cfg: StageConfig, *, image: ecs.ContainerImage
                            description=f"{prefix}: VPC, training subnet, EFA/FSx security groups, endpoints")
     storage = StorageStack(scope, f"{prefix}-Storage", config=cfg, network=network, env=env,
                            description=f"{prefix}: KMS key, S3 buckets, FSx for Lustre (stateful, termination-protected)")
-    compute = ComputeStack(scope, f"{prefix}-Compute", config=cfg, network=network, storage=storage, image=image,
+    compute = ComputeStack(scope, f"{prefix}-Compute", config=cfg, network=network, storage=storage, image_uri=image_uri,
                            env=env, description=f"{prefix}: AWS Batch on Trainium, job definitions, training image")
     stacks: dict[str, Stack] = {"network": network, "storage": storage, "compute": compute}
     stacks["pipeline"] = PipelineStack(
         scope, f"{prefix}-Pipeline", config=cfg.pipeline, stage=cfg.name, data_bucket=storage.data_bucket,
         artifacts_bucket=storage.artifacts_bucket, queues=compute.queues, job_definitions=compute.job_definitions,
+        instance_types={"training": cfg.compute.training_instance_type,
+                        "single-node": cfg.compute.single_node_instance_type},
+        mlflow_tracking_server_arn=compute.mlflow.tracking_server_arn if compute.mlflow else None,
         env=env, description=f"{prefix}: training pipeline state machine, new-data trigger, canary, alarms, dashboard")
     for stack in stacks.values():
         Tags.of(stack).add("project", cfg.project)

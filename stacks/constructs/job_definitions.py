@@ -1,8 +1,9 @@
 """AWS Batch job definitions for the pipeline steps.
 
 Multi-node (sanity, compile, train) on the training instance type; single-node (prepare, validate,
-embed as an array job, canary) on the small instance type. Device lists, NPROC_PER_NODE and the EFA
-environment come from the instance table (stacks/config.py INSTANCE_TYPES), never pasted.
+embed as an array job, canary) on the small instance type. Device lists, NPROC_PER_NODE,
+INSTANCE_TYPE (what MLflow records and the cost is priced by) and the EFA environment come from the
+instance table (stacks/config.py INSTANCE_TYPES), never pasted.
 
 Commands follow CONTRACTS.md: the image entrypoint (training_image/entrypoint.sh) receives
 `<step> --run-dir /fsx/runs/Ref::run_id ...`. Batch parameters cannot be optional, so every
@@ -101,6 +102,10 @@ def container_memory(spec: InstanceSpec) -> Size:
     return Size.gibibytes(spec.memory_gib - max(4, spec.memory_gib // 16))
 
 
+def _node_env(spec: InstanceSpec) -> dict[str, str]:
+    return {"NPROC_PER_NODE": str(spec.neuron_cores), "INSTANCE_TYPE": spec.name}
+
+
 def retry_strategies() -> list[batch.RetryStrategy]:
     return [
         batch.RetryStrategy.of(batch.Action.RETRY, batch.Reason.custom(on_status_reason="Host EC2*")),
@@ -148,7 +153,7 @@ class JobDefinitions(Construct):
         for step, (command, parameters) in MULTI_NODE_STEPS.items():
             container = self._container(
                 f"{step.capitalize()}Container", image=image, spec=training, command=command,
-                environment={**base_env, **EFA_ENVIRONMENT, "NPROC_PER_NODE": str(training.neuron_cores)},
+                environment={**base_env, **EFA_ENVIRONMENT, **_node_env(training)},
                 shared_memory_gib=shared_memory_gib,
             )
             job_definition = batch.MultiNodeJobDefinition(
@@ -173,7 +178,7 @@ class JobDefinitions(Construct):
         for step, (command, parameters) in SINGLE_NODE_STEPS.items():
             container = self._container(
                 f"{step.capitalize()}Container", image=image, spec=single_node, command=command,
-                environment={**base_env, "NPROC_PER_NODE": str(single_node.neuron_cores)},
+                environment={**base_env, **_node_env(single_node)},
                 shared_memory_gib=single_node_shared_memory_gib,
             )
             self.job_definitions[step] = batch.EcsJobDefinition(

@@ -29,7 +29,9 @@ BUILD_CONTEXT_EXCLUDE: tuple[str, ...] = (
     "**/*.pyc",
 )
 
-def training_image_asset(scope: Construct, construct_id: str) -> ecr_assets.DockerImageAsset:
+def training_image_asset(scope: Construct, construct_id: str, *, git_commit: str) -> ecr_assets.DockerImageAsset:
+    """The image asset; `git_commit` becomes the build arg GIT_COMMIT (the image's env), so the
+    asset hash, and with it the deployed image, follows the commit."""
     return ecr_assets.DockerImageAsset(
         scope,
         construct_id,
@@ -39,9 +41,5 @@ def training_image_asset(scope: Construct, construct_id: str) -> ecr_assets.Dock
         exclude=list(BUILD_CONTEXT_EXCLUDE),
         ignore_mode=IgnoreMode.DOCKER,
         display_name="training-image",
+        build_args={"GIT_COMMIT": git_commit},
     )
-
-
-def training_image(scope: Construct, construct_id: str) -> ecs.ContainerImage:
-    """The image as an ecs.ContainerImage (what the job definitions take)."""
-    return ecs.ContainerImage.from_docker_image_asset(training_image_asset(scope, construct_id))

@@ -24,7 +24,6 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 import aws_cdk as cdk  # noqa: E402
-from aws_cdk import aws_ecs as ecs  # noqa: E402
 from cdk_nag import AwsSolutionsChecks  # noqa: E402
 
 from stacks.config import StageConfig, get_stage  # noqa: E402
@@ -57,7 +56,7 @@ def stage_config(name: str) -> StageConfig:
 def build(name: str, *, nag: bool = True, outdir: str | None = None) -> tuple[cdk.App, dict[str, cdk.Stack]]:
     """A new App with the stage's stacks (registry image injected), cdk-nag attached."""
     app = cdk.App(context=cdk_json_context(), outdir=outdir)
-    stacks = build_stage(app, stage_config(name), image=ecs.ContainerImage.from_registry(TEST_IMAGE))
+    stacks = build_stage(app, stage_config(name), image_uri=TEST_IMAGE)
     if nag:
         cdk.Aspects.of(app).add(AwsSolutionsChecks())
     return app, stacks

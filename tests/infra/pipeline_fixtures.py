@@ -51,7 +51,8 @@ def build(config: PipelineConfig | None = None) -> tuple[PipelineStack, StandInD
     deps = StandInDependencies(app, "Deps")
     stack = PipelineStack(app, "Pipeline", config=config or PipelineConfig(), stage="dev",
                           data_bucket=deps.data_bucket, artifacts_bucket=deps.artifacts_bucket,
-                          queues=deps.queues, job_definitions=deps.job_definitions, env=ENV)
+                          queues=deps.queues, job_definitions=deps.job_definitions,
+                          instance_types={"training": "trn1.32xlarge", "single-node": "trn1.2xlarge"}, env=ENV)
     return stack, deps
 
 

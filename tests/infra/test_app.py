@@ -38,3 +38,10 @@ def test_stage_comes_from_cdk_context_json(tmp_path, context, expected):
     assert result.returncode == 1, result.stderr[-2000:]
     assert expected in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_git_head_is_the_checkout_commit():
+    import app as cdk_app
+
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    assert cdk_app.git_head() == head.stdout.strip()

@@ -325,3 +325,78 @@ def test_no_public_ip_or_admin(dev_templates):
     dev_templates["compute"].has_resource_properties(
         "AWS::Logs::LogGroup", {"RetentionInDays": Match.any_value()}
     )
+
+
+# -- Experiment tracking (MLflow) --------------------------------------------------------------
+JOB_KEYS = ("sanity", "compile", "train", "prepare", "validate", "embed", "canary")
+MULTI_NODE_KEYS = ("sanity", "compile", "train")
+
+
+def _env(template, key):
+    return {e["Name"]: e["Value"] for e in _container(_job_definition(template, key))["Environment"]}
+
+
+@pytest.mark.parametrize("stage", ["dev", "prod"])
+def test_every_job_gets_the_tracking_env_the_steps_read(request, stage):
+    """pipeline_steps/tracking.py reads these; INSTANCE_TYPE is the job's own compute environment's
+    type (from the instance table), which is also what the CLI prices the job by."""
+    from infra_synth import TEST_IMAGE
+
+    templates, config = request.getfixturevalue(f"{stage}_templates"), request.getfixturevalue(f"{stage}_config")
+    for key in JOB_KEYS:
+        env = _env(templates["compute"], key)
+        expected_type = (config.compute.training_instance_type if key in MULTI_NODE_KEYS
+                         else config.compute.single_node_instance_type)
+        assert env["INSTANCE_TYPE"] == expected_type, key
+        assert env["MLFLOW_EXPERIMENT_NAME"] == f"TrnEmbed-{stage}", key
+        assert env["TRAINING_IMAGE_URI"] == TEST_IMAGE, key
+        # The commit is baked into the image (Dockerfile ENV), never into the job definitions:
+        # a new commit must not change a template by itself.
+        assert "GIT_COMMIT" not in env, key
+        if stage == "prod":
+            logical_id, attribute = env["MLFLOW_TRACKING_URI"]["Fn::GetAtt"]
+            assert logical_id.startswith("MlflowServer") and attribute == "TrackingServerArn", key
+        else:
+            assert "MLFLOW_TRACKING_URI" not in env, key  # each run's file store DIR/mlruns
+
+
+def test_prod_runs_a_managed_mlflow_server_the_job_role_may_use(prod_templates, prod_stage):
+    template = prod_templates["compute"]
+    template.resource_count_is("AWS::SageMaker::MlflowTrackingServer", 1)
+    template.has_resource_properties("AWS::SageMaker::MlflowTrackingServer", {
+        "TrackingServerName": "TrnEmbed-prod",
+        "TrackingServerSize": "Small",
+        "ArtifactStoreUri": {"Fn::Join": ["", ["s3://", Match.any_value(), "/mlflow"]]},
+    })
+    job_role = prod_stage["compute"].resolve(prod_stage["compute"].job_role.role_name)
+    policies = [p["Properties"] for p in template.find_resources("AWS::IAM::Policy").values()
+                if job_role in p["Properties"]["Roles"]]
+    statements = [s for p in policies for s in p["PolicyDocument"]["Statement"]]
+    (grant,) = [s for s in statements if s["Action"] == "sagemaker-mlflow:*"]
+    assert grant["Effect"] == "Allow"
+    logical_id, attribute = grant["Resource"]["Fn::GetAtt"]
+    assert logical_id.startswith("MlflowServer") and attribute == "TrackingServerArn"
+
+
+def test_dev_has_no_mlflow_server_and_no_grant(dev_templates):
+    template = dev_templates["compute"]
+    template.resource_count_is("AWS::SageMaker::MlflowTrackingServer", 0)
+    assert "sagemaker-mlflow" not in json.dumps(template.to_json())
+
+
+def test_a_configured_uri_is_passed_as_is_without_a_server():
+    """mlflow_tracking = any other string: used as MLFLOW_TRACKING_URI, no server, no grant."""
+    from dataclasses import replace
+
+    from infra_synth import TEST_IMAGE, cdk_json_context, stage_config
+    from stacks.stages import build_stage
+
+    uri = "https://mlflow.example.internal"
+    cfg = stage_config("dev")
+    cfg = replace(cfg, pipeline=replace(cfg.pipeline, mlflow_tracking=uri))
+    stacks = build_stage(App(context=cdk_json_context()), cfg, image_uri=TEST_IMAGE)
+    template = Template.from_stack(stacks["compute"])
+    template.resource_count_is("AWS::SageMaker::MlflowTrackingServer", 0)
+    for key in JOB_KEYS:
+        assert _env(template, key)["MLFLOW_TRACKING_URI"] == uri, key
+    assert "MlflowTrackingServerArn" not in Template.from_stack(stacks["pipeline"]).to_json()["Outputs"]

@@ -175,3 +175,27 @@ def test_default_azs_follow_region():
     stage = get_stage("dev").with_env(region="us-west-2")
     assert stage.availability_zones == ("us-west-2a", "us-west-2b")
     assert stage.training_availability_zone == "us-west-2a"
+
+
+def test_mlflow_defaults_prod_managed_dev_file_store():
+    assert get_stage("prod").pipeline.mlflow_tracking == "managed" and get_stage("prod").pipeline.mlflow_managed
+    assert get_stage("dev").pipeline.mlflow_tracking is None
+    assert PipelineConfig().mlflow_tracking is None and PipelineConfig().mlflow_server_size == "Small"
+
+
+def test_managed_mlflow_needs_egress():
+    compute = ComputeConfig(neuron_ami_ids=AMIS)
+    with pytest.raises(ValueError, match=r"mlflow_tracking='managed' needs internet egress.*nat_gateways>=1"):
+        StageConfig(name="t", region="us-east-1", compute=compute, network=NetworkConfig(nat_gateways=0),
+                    pipeline=PipelineConfig(mlflow_tracking="managed"))
+    # A URI is the operator's business (e.g. a server reachable through the VPC endpoints).
+    StageConfig(name="t", region="us-east-1", compute=compute, network=NetworkConfig(nat_gateways=0),
+                pipeline=PipelineConfig(mlflow_tracking="https://mlflow.example.internal"))
+
+
+def test_git_commit_validation():
+    stage = get_stage("dev")
+    assert stage.git_commit == "unknown"
+    assert stage.with_env(git_commit="0123abc").git_commit == "0123abc"
+    with pytest.raises(ValueError, match=r"git_commit='HEAD': a hex commit id"):
+        stage.with_env(git_commit="HEAD")

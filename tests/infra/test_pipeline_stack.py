@@ -240,6 +240,10 @@ def test_canary_can_be_disabled():
     ({"notification_email": "nobody"}, "notification_email"),
     ({"retry_backoff_rate": 0.5}, "retry_backoff_rate"),
     ({"train_timeout_minutes": 0}, "train_timeout_minutes"),
+    ({"mlflow_tracking": "Managed"}, r"mlflow_tracking='Managed': use 'managed'"),
+    ({"mlflow_tracking": "mlflow.example.com"}, r"a tracking URI with a scheme"),
+    ({"mlflow_tracking": ""}, r"mlflow_tracking=''"),
+    ({"mlflow_server_size": "small"}, r"mlflow_server_size='small': use one of \('Small', 'Medium', 'Large'\)"),
 ])
 def test_config_validation_has_fix_it_messages(kwargs, match):
     with pytest.raises(ValueError, match=match):

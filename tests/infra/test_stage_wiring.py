@@ -109,3 +109,22 @@ def test_every_job_gets_the_compile_cache_base_the_steps_read(dev_templates):
         env = {e["Name"]: e["Value"] for e in container["Environment"]}
         value = json.dumps(env[NEURON_CACHE_BASE_ENV])
         assert value.startswith('{"Fn::Join": ["", ["s3://"') and value.endswith('"/neuron"]]}'), (key, value)
+
+
+@pytest.mark.parametrize("stage", ["dev", "prod"])
+def test_pipeline_outputs_are_what_the_cli_reads(request, stage):
+    """trainium-runs (pipeline_ops/cli.py) reads these outputs of the stack <project>-<stage>-Pipeline."""
+    from pipeline_ops import cli
+
+    stacks, config = request.getfixturevalue(f"{stage}_stage"), request.getfixturevalue(f"{stage}_config")
+    assert stacks["pipeline"].stack_name == f"{cli.DEFAULT_PROJECT}-{stage}-Pipeline"
+    outputs = request.getfixturevalue(f"{stage}_templates")["pipeline"].to_json()["Outputs"]
+    assert outputs["TrainingInstanceType"]["Value"] == config.compute.training_instance_type
+    assert outputs["SingleNodeInstanceType"]["Value"] == config.compute.single_node_instance_type
+    source = Path(cli.__file__).read_text()
+    assert '"TrainingInstanceType"' in source and '"SingleNodeInstanceType"' in source
+    if config.pipeline.mlflow_managed:
+        arn = outputs["MlflowTrackingServerArn"]["Value"]
+        assert "TrackingServerArn" in json.dumps(arn)  # the compute stack's server, imported
+    else:
+        assert "MlflowTrackingServerArn" not in outputs

@@ -40,6 +40,38 @@ def test_dockerfile_contract():
     assert 'ENTRYPOINT ["/usr/local/bin/entrypoint.sh"]' in text
 
 
+def test_dockerfile_bakes_the_git_commit_after_the_dependency_layers():
+    text = (IMAGE_DIR / "Dockerfile").read_text()
+    assert "ARG GIT_COMMIT=unknown\nENV GIT_COMMIT=$GIT_COMMIT\n" in text
+    # After the last RUN: a new commit must not invalidate the cached pip layers.
+    assert text.index("ARG GIT_COMMIT") > text.rindex("\nRUN ")
+    assert "import mlflow.tracking, sagemaker_mlflow" in text  # the build fails if a dependency is missing
+
+
+def test_requirements_pin_the_mlflow_client_and_sagemaker_plugin():
+    reqs = (IMAGE_DIR / "requirements.txt").read_text().splitlines()
+    assert "mlflow-skinny==3.17.2" in reqs and "sagemaker-mlflow==0.5.0" in reqs
+    # The Neuron DLC's protobuf (3.x) is never replaced (neuronx-cc needs it).
+    assert not any(r.lower().startswith("protobuf") for r in reqs)
+
+
+def test_image_asset_passes_the_commit_as_build_arg(tmp_path):
+    """app.py's commit reaches `docker build --build-arg GIT_COMMIT=...` through the asset manifest."""
+    import json as json_lib
+
+    from aws_cdk import App, Stack
+
+    from stacks.constructs.training_image import training_image_asset
+
+    app = App(outdir=str(tmp_path))
+    training_image_asset(Stack(app, "ImageTest"), "TrainingImage", git_commit="0123abc")
+    app.synth()
+    manifest = json_lib.loads((tmp_path / "ImageTest.assets.json").read_text())
+    (image,) = manifest["dockerImages"].values()
+    assert image["source"]["dockerBuildArgs"] == {"GIT_COMMIT": "0123abc"}
+    assert image["source"]["dockerFile"] == "training_image/Dockerfile"
+
+
 def test_requirements_are_pinned_and_exclude_torch():
     lines = [ln.strip() for ln in (IMAGE_DIR / "requirements.txt").read_text().splitlines()]
     reqs = [ln for ln in lines if ln and not ln.startswith("#")]
