@@ -165,12 +165,50 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
+def make_adamw(world: World, groups: list[dict[str, Any]], **kwargs: Any) -> torch.optim.Optimizer:
+    """AdamW for the backend. On XLA: torch_xla's sync-free AdamW, one fused update op per tensor
+    (torch's AdamW on XLA traces several in-place ops per tensor: measured 0.19 vs 0.10 s of host
+    time per step on tiny, and host time grows with the tensor count)."""
+    if world.is_xla:
+        from torch_xla.amp import syncfree
+
+        return syncfree.AdamW(groups, **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+def init_optimizer_state(world: World, optimizer: torch.optim.Optimizer) -> None:
+    """Create AdamW's state before the first step, exactly as its lazy init would (torch
+    optim/adam.py `_init_group`; torch_xla amp/syncfree/adamw.py), filling only missing keys so a
+    state loaded from another backend's checkpoint is completed, not replaced.
+
+    Without this, step 1 traces an optimizer graph that creates the state and step 2 one that
+    reads it: two graphs for the same work, and with several length buckets the second may not
+    appear until late in the run."""
+    for group in optimizer.param_groups:
+        on_device = world.is_xla or group.get("capturable") or group.get("fused")
+        for param in group["params"]:
+            state = optimizer.state[param]
+            if "step" not in state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=param.device if on_device else "cpu")
+            elif world.is_xla:
+                state["step"] = state["step"].to(param.device)
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key not in state:
+                    state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            if world.is_xla and "max_exp_avg_sq" not in state:
+                state["max_exp_avg_sq"] = torch.empty(0, dtype=torch.float32, device=param.device)
+
+
 def optimizer_step(world: World, optimizer: torch.optim.Optimizer) -> None:
-    """One optimizer step; on XLA `xm.optimizer_step` all-reduces gradients across workers first."""
+    """One optimizer step; on XLA `xm.optimizer_step` all-reduces gradients across workers first.
+
+    The sync-free AdamW takes `found_inf`: zero here, because the trainer has already stopped the
+    run on a non-finite loss before reaching the update."""
     if world.is_xla:
         import torch_xla.core.xla_model as xm
 
-        xm.optimizer_step(optimizer)
+        found_inf = torch.zeros((), dtype=torch.float32, device=world.device)
+        xm.optimizer_step(optimizer, optimizer_args={"found_inf": found_inf})
     else:
         optimizer.step()
 

@@ -89,33 +89,13 @@ def model_config_for(preset: str, prepared: data_lib.PreparedData) -> ModelConfi
 
 # ----------------------------------------------------------------------------- optimizer
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, world: dist_lib.World) -> torch.optim.AdamW:
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, world: dist_lib.World) -> torch.optim.Optimizer:
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         # Biases, LayerNorm and embedding tables are not decayed (BERT recipe).
         (no_decay if param.ndim < 2 or "norm" in name or "embed" in name else decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # capturable keeps AdamW's step counter on the device: no host sync inside the XLA step.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.999), eps=1e-6, capturable=world.is_xla)
-
-
-def materialize_optimizer_state(optimizer: torch.optim.AdamW) -> None:
-    """Create AdamW's state now, exactly as its lazy init would (torch/optim/adam.py `_init_group`).
-
-    Without this, step 1 traces an optimizer graph that creates the state and step 2 one that
-    reads it: two graphs for the same work, and with several length buckets the second may not
-    appear until late in the run."""
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            state = optimizer.state[param]
-            if state:
-                continue
-            if group["capturable"] or group["fused"]:
-                state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
-            else:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    return dist_lib.make_adamw(world, groups, lr=cfg.lr, betas=(0.9, 0.999), eps=1e-6)
 
 
 def lr_factor(step: int, cfg: TrainConfig, total_steps: int) -> float:
@@ -204,7 +184,7 @@ class Trainer:
             self.optimizer.load_state_dict(self._resume_state["optimizer"])
             self.scheduler.load_state_dict(self._resume_state["scheduler"])
             self._resume_state = None  # free the CPU copy
-        materialize_optimizer_state(self.optimizer)
+        dist_lib.init_optimizer_state(world, self.optimizer)
         dist_lib.mark_step(world)  # the state's zeros are their own small graph, not part of step 1
         self.xla = XlaAccounting(world, num_shapes=len(self.batches.first_batch_per_bucket()))
 
