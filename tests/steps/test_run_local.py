@@ -13,7 +13,7 @@ from .conftest import run_cli
 
 
 @pytest.mark.parametrize("backend", ["cpu", "xla"])
-def test_run_local_chains_every_step_and_reports(tmp_path: Path, backend: str) -> None:
+def test_run_local_chains_every_step_and_reports(tmp_path: Path, backend: str, monkeypatch) -> None:
     run_dir = tmp_path / backend
     result = run_cli("run-local", "--run-dir", run_dir, "--preset", "tiny", "--backend", backend, timeout=1200)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -38,3 +38,15 @@ def test_run_local_chains_every_step_and_reports(tmp_path: Path, backend: str) -
         assert report["xla"]["compiles_after_warmup"] == 0
         assert report["xla"]["graphs_not_in_compile_cache"] == 0, "training traced a graph compile did not"
     assert products["status"] == "ok"
+
+    # The same cost fields as on AWS (no compute price locally, real durations) and one MLflow
+    # run in the run dir with a child run per step.
+    assert report["cost"]["total_usd"] == 0 and report["cost"]["seconds"] > 0
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store opt-in
+
+    client = MlflowClient(tracking_uri=report["mlflow"]["tracking_uri"])
+    children = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                  filter_string=f"tags.mlflow.parentRunId = '{report['mlflow']['run_id']}'")
+    assert {"prepare", "train", "validate"} <= {r.info.run_name for r in children}
