@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 def cli_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("PJRT_DEVICE", "CPU")
-    env.setdefault("PIPELINE_LOG_LEVEL", "INFO")
+    env["PIPELINE_LOG_LEVEL"] = "INFO"  # tests read the steps' log lines, whatever CI sets
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
     return env
