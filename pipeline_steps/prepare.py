@@ -34,7 +34,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -111,20 +111,30 @@ def _input_checksums(files: Sequence[Path]) -> list[dict[str, Any]]:
     return [{"path": str(f), "bytes": f.stat().st_size, "sha256": sha256_file(f)} for f in files]
 
 
+def _validated(kind: str, files: Sequence[Path], validate: Callable[..., Any], cfg: DataConfig,
+               quarantine: Quarantine) -> Iterator[tuple[D.RawRecord, Any]]:
+    """(raw, record) for every record read; record is None when it went to the quarantine
+    (unparseable, or rejected by `validate` with its reason)."""
+    for raw in D.iter_records(files):
+        record = None
+        if raw.reason:
+            quarantine.add(kind, raw.source, raw.line, raw.reason, raw.detail or "", raw.raw_text())
+        else:
+            try:
+                record = validate(raw.value, cfg.max_text_chars, raw.source, raw.line)
+            except D.RecordError as exc:
+                quarantine.add(kind, raw.source, raw.line, exc.reason, exc.detail, raw.raw_text())
+        yield raw, record
+
+
 def read_products(files: Sequence[Path], cfg: DataConfig, quarantine: Quarantine) -> tuple[list[D.ProductRecord], int]:
     """Valid products (first of each id) and the number of records read."""
     products: list[D.ProductRecord] = []
     first_seen: dict[str, str] = {}
     num_read = 0
-    for raw in D.iter_records(files):
+    for raw, product in _validated("products", files, D.validate_product, cfg, quarantine):
         num_read += 1
-        if raw.reason:
-            quarantine.add("products", raw.source, raw.line, raw.reason, raw.detail or "", raw.raw_text())
-            continue
-        try:
-            product = D.validate_product(raw.value, cfg.max_text_chars, raw.source, raw.line)
-        except D.RecordError as exc:
-            quarantine.add("products", raw.source, raw.line, exc.reason, exc.detail, raw.raw_text())
+        if product is None:
             continue
         if product.id in first_seen:
             quarantine.add("products", raw.source, raw.line, "duplicate product id",
@@ -140,15 +150,9 @@ def read_pairs(files: Sequence[Path], cfg: DataConfig, product_ids: set[str],
     """Valid pairs whose product exists, and the number of records read."""
     pairs: list[D.PairRecord] = []
     num_read = 0
-    for raw in D.iter_records(files):
+    for raw, pair in _validated("pairs", files, D.validate_pair, cfg, quarantine):
         num_read += 1
-        if raw.reason:
-            quarantine.add("pairs", raw.source, raw.line, raw.reason, raw.detail or "", raw.raw_text())
-            continue
-        try:
-            pair = D.validate_pair(raw.value, cfg.max_text_chars, raw.source, raw.line)
-        except D.RecordError as exc:
-            quarantine.add("pairs", raw.source, raw.line, exc.reason, exc.detail, raw.raw_text())
+        if pair is None:
             continue
         if pair.product_id not in product_ids:
             quarantine.add("pairs", raw.source, raw.line, "unknown product_id",
