@@ -19,14 +19,7 @@ NUM_NUMERIC = 3
 CARDINALITIES = (5, 11)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors gain nothing from intra-op threads, and on a busy 2-core CI box OpenMP's spin
-    barriers under oversubscription made the learning test ~20x slower (190 s vs 10 s)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_cfg(**overrides) -> ModelConfig:
