@@ -10,9 +10,10 @@ Local (one process; --backend xla runs on PJRT's CPU client):
     PJRT_DEVICE=CPU python -m pipeline_steps sanity --run-dir runs/demo --backend xla
 Local, two ranks over gloo:
     torchrun --standalone --nproc_per_node 2 -m pipeline_steps sanity --run-dir runs/demo --backend cpu
-On AWS Batch (training_image/entrypoint.sh computes TORCHRUN_ARGS from the multi-node variables):
+On AWS Batch (training_image/entrypoint.sh computes TORCHRUN_ARGS from the multi-node variables;
+the job definition sets INSTANCE_TYPE, which stands in for --instance-type):
     torchrun $TORCHRUN_ARGS -m pipeline_steps sanity --run-dir /fsx/runs/$RUN_ID \\
-        --instance-type trn1.32xlarge --fsx-path /fsx [--bandwidth-floor-gbps 40]
+        --fsx-path /fsx [--bandwidth-floor-gbps 40]
 
 Checks
 - every rank: world size against --expect-world-size (default AWS_BATCH_JOB_NUM_NODES x
@@ -21,9 +22,10 @@ Checks
   closed form (small integers, exact in fp32 at any world size up to thousands of ranks), each
   repeated --iterations times and timed.
 - once per node (local rank 0), before any rank touches the device, so that nccom-test can own
-  every NeuronCore: `neuron-ls --json-output` device/core counts against the instance type, EFA
-  uverbs device count, `fi_info -p efa`, the FSx mount (lustre in /proc/mounts) and a write +
-  fsync + read + delete probe, and `nccom-test ... --check allr` against --bandwidth-floor-gbps.
+  every NeuronCore: Neuron device/core counts (`neuron-ls --json-output`, else /dev/neuron*) and
+  the EFA uverbs device count against the instance type's row (pipeline_steps/contract.py),
+  `fi_info -p efa`, the FSx mount (lustre in /proc/mounts) and a write + fsync + read + delete
+  probe, and `nccom-test ... --check allr` against --bandwidth-floor-gbps.
   nccom-test runs on one node (NeuronLink); the cross-node EFA path is what the torch collectives
   above exercise. A check whose tool is absent is "skipped" with the reason, never "passed".
 
@@ -59,6 +61,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from . import distributed, tracking
+from .contract import INSTANCE_TYPE_ENV, INSTANCE_TYPES, InstanceSpec
 from .errors import BadConfigError, ExitCode, RetryableError
 from .fileio import atomic_write_json, read_json
 from .watchdog import Watchdog
@@ -68,21 +71,6 @@ log = logging.getLogger(__name__)
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
 FAULT_RANK_ENV = "PIPELINE_SANITY_FAULT_RANK"
 
-
-@dataclass(frozen=True)
-class InstanceSpec:
-    neuron_devices: int
-    neuron_cores: int
-    efa_devices: int
-
-
-# The one table of what a healthy host of each instance type shows (AWS Neuron docs,
-# setup-trn1-multi-node-execution). trn1.2xlarge has no EFA; the canary runs there.
-INSTANCE_TYPES: dict[str, InstanceSpec] = {
-    "trn1.2xlarge": InstanceSpec(neuron_devices=1, neuron_cores=2, efa_devices=0),
-    "trn1.32xlarge": InstanceSpec(neuron_devices=16, neuron_cores=32, efa_devices=8),
-    "trn1n.32xlarge": InstanceSpec(neuron_devices=16, neuron_cores=32, efa_devices=16),
-}
 
 # Payload sizes (elements of fp32). Values are built so every partial sum is an integer below 2**24:
 # exact in fp32 in any reduction order, so results compare exactly.
@@ -94,6 +82,7 @@ TOOL_TIMEOUT_S = 120.0
 NCCOM_TIMEOUT_S = 600.0
 PROBE_BYTES = 1 << 20
 INFINIBAND_DIR = Path("/dev/infiniband")  # where the job definition maps the EFA uverbs devices
+NEURON_DEV_DIR = Path("/dev")  # /dev/neuron0..N-1, also mapped by the job definition
 
 
 # ----------------------------------------------------------------------------- results
@@ -170,6 +159,17 @@ def expected_world_size(flag: int | None, environ: Mapping[str, str]) -> tuple[i
     if environ.get("WORLD_SIZE"):
         return int(environ["WORLD_SIZE"]), "WORLD_SIZE (torchrun)"
     return 1, "single process (no torchrun, no AWS Batch multi-node variables)"
+
+
+def expected_instance_type(flag: str | None, environ: Mapping[str, str]) -> str | None:
+    """The instance type whose device counts this host must show: --instance-type, else
+    $INSTANCE_TYPE (the job definitions set it from the instance table), else None (counts unknown:
+    device checks only look for presence)."""
+    name = flag or environ.get(INSTANCE_TYPE_ENV, "").strip() or None
+    if name is not None and name not in INSTANCE_TYPES:
+        raise BadConfigError(f"{INSTANCE_TYPE_ENV}={name!r} is not in the instance table {sorted(INSTANCE_TYPES)}; "
+                             "set it to this host's instance type, or unset it off AWS")
+    return name
 
 
 def fault_rank(environ: Mapping[str, str]) -> int | None:
@@ -280,7 +280,16 @@ class HostChecks:
     def neuron_devices(self) -> Check:
         name, tool = "neuron_devices", shutil.which("neuron-ls")
         if tool is None:
-            return Check(name, SKIPPED, detail="neuron-ls not on PATH (not a Neuron host)")
+            if self.spec is None:
+                return Check(name, SKIPPED, detail="neuron-ls not on PATH (not a Neuron host)")
+            # The instance type promises devices: count the device files the job definition maps.
+            found = len(list(NEURON_DEV_DIR.glob("neuron[0-9]*")))
+            expected = self.spec.neuron_devices
+            detail = f"instance type {self.instance_type}; counted {NEURON_DEV_DIR}/neuron* (neuron-ls not on PATH)"
+            if found < expected:
+                detail += "; missing Neuron devices: not a Neuron host, or not mapped into the container"
+            return Check(name, PASSED if found == expected else FAILED, expected={"devices": expected},
+                         actual={"devices": found}, detail=detail)
         proc = self._run_tool([tool, "--json-output"], TOOL_TIMEOUT_S)
         if proc.returncode != 0:
             return Check(name, FAILED, expected="neuron-ls exit 0", actual=f"exit {proc.returncode}",
@@ -305,15 +314,15 @@ class HostChecks:
         if self.spec is None:
             return Check(name, SKIPPED, actual=found,
                          detail="no --instance-type: no expected EFA count to compare against")
-        ok = found == self.spec.efa_devices
-        detail = f"instance type {self.instance_type}; {INFINIBAND_DIR}/uverbs*"
-        if not ok and found < self.spec.efa_devices:
-            detail += " (is every uverbs device mapped into the container by the job definition?)"
-        return Check(name, PASSED if ok else FAILED, expected=self.spec.efa_devices, actual=found, detail=detail)
+        ok = found == self.spec.efa_interfaces
+        detail = f"instance type {self.instance_type}; counted {INFINIBAND_DIR}/uverbs*"
+        if not ok and found < self.spec.efa_interfaces:
+            detail += "; missing EFA devices: is every uverbs device mapped into the container by the job definition?"
+        return Check(name, PASSED if ok else FAILED, expected=self.spec.efa_interfaces, actual=found, detail=detail)
 
     def efa_provider(self) -> Check:
         name = "efa_provider"
-        if self.spec is not None and self.spec.efa_devices == 0:
+        if self.spec is not None and self.spec.efa_interfaces == 0:
             return Check(name, SKIPPED, detail=f"{self.instance_type} has no EFA")
         if self.spec is None and not INFINIBAND_DIR.exists():
             return Check(name, SKIPPED, detail="no --instance-type and no /dev/infiniband (not an EFA host)")
@@ -507,7 +516,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--expect-world-size", type=int, default=None,
                    help="default: AWS_BATCH_JOB_NUM_NODES x NPROC_PER_NODE, else torchrun's WORLD_SIZE")
     p.add_argument("--instance-type", default=None, choices=sorted(INSTANCE_TYPES),
-                   help="enables the device/core and EFA count checks")
+                   help=f"expected Neuron device/core and EFA counts come from this row of the instance table; "
+                        f"default: env {INSTANCE_TYPE_ENV} (every job definition sets it)")
     p.add_argument("--fsx-path", default=None, help="FSx for Lustre mount to check (e.g. /fsx)")
     p.add_argument("--bandwidth-floor-gbps", type=float, default=None,
                    help="minimum nccom-test all-reduce bus bandwidth in GB/s as nccom-test prints it")
@@ -552,6 +562,7 @@ def main(argv: list[str] | None = None) -> int:
         raise BadConfigError("--iterations must be >= 1")
     if args.expect_world_size is not None and args.expect_world_size < 1:
         raise BadConfigError("--expect-world-size must be >= 1")
+    args.instance_type = expected_instance_type(args.instance_type, os.environ)
     backend = args.backend or distributed.default_backend()
     faulty = fault_rank(os.environ)
     expected_ws, ws_source = expected_world_size(args.expect_world_size, os.environ)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pipeline_steps import __main__ as cli
-from pipeline_steps import sanity
+from pipeline_steps import contract, sanity
 from pipeline_steps.errors import BadConfigError, ExitCode
 from pipeline_steps.fileio import read_json
 
@@ -22,7 +22,7 @@ from .conftest import cli_env, run_cli
 NEURON_ONLY = {"neuron_devices", "efa_devices", "efa_provider", "fsx_mount", "fsx_writable", "nccom_all_reduce"}
 TORCH_CHECKS = {"world_size", "device_matmul", "all_reduce", "all_gather", "reduce_scatter"}
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-              "AWS_BATCH_JOB_NUM_NODES", "NPROC_PER_NODE", sanity.FAULT_RANK_ENV)
+              "AWS_BATCH_JOB_NUM_NODES", "NPROC_PER_NODE", "INSTANCE_TYPE", sanity.FAULT_RANK_ENV)
 
 
 @pytest.fixture
@@ -136,10 +136,18 @@ def test_expected_world_size_precedence():
     assert sanity.expected_world_size(None, {})[0] == 1
 
 
-def test_instance_table():
-    assert sanity.INSTANCE_TYPES["trn1.32xlarge"] == sanity.InstanceSpec(16, 32, 8)
-    assert sanity.INSTANCE_TYPES["trn1n.32xlarge"] == sanity.InstanceSpec(16, 32, 16)
-    assert sanity.INSTANCE_TYPES["trn1.2xlarge"] == sanity.InstanceSpec(1, 2, 0)
+def test_sanity_judges_hosts_by_the_shared_instance_table():
+    assert sanity.INSTANCE_TYPES is contract.INSTANCE_TYPES
+    counts = {name: (s.neuron_devices, s.neuron_cores, s.efa_interfaces) for name, s in sanity.INSTANCE_TYPES.items()}
+    assert counts == {"trn1.32xlarge": (16, 32, 8), "trn1n.32xlarge": (16, 32, 16), "trn1.2xlarge": (1, 2, 0)}
+
+
+def test_expected_instance_type_comes_from_the_flag_or_the_job_environment():
+    assert sanity.expected_instance_type(None, {}) is None
+    assert sanity.expected_instance_type(None, {"INSTANCE_TYPE": "trn1n.32xlarge"}) == "trn1n.32xlarge"
+    assert sanity.expected_instance_type("trn1.2xlarge", {"INSTANCE_TYPE": "trn1n.32xlarge"}) == "trn1.2xlarge"
+    with pytest.raises(BadConfigError, match="p4d.24xlarge.*not in the instance table"):
+        sanity.expected_instance_type(None, {"INSTANCE_TYPE": "p4d.24xlarge"})
 
 
 def test_mount_of_picks_the_longest_mount_point():
@@ -190,20 +198,23 @@ def neuron_ls_json(devices: int, cores_each: int = 2) -> str:
 
 @pytest.fixture
 def fake_host(tmp_path, monkeypatch):
-    """A PATH holding only fake Neuron/libfabric tools, and a fake /dev/infiniband."""
+    """A PATH holding only fake Neuron/libfabric tools, a fake /dev/infiniband and an empty fake /dev."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     infiniband = tmp_path / "infiniband"
     infiniband.mkdir()
+    dev = tmp_path / "dev"
+    dev.mkdir()
     monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
     monkeypatch.setattr(sanity, "INFINIBAND_DIR", infiniband)
+    monkeypatch.setattr(sanity, "NEURON_DEV_DIR", dev)
     return bin_dir, infiniband
 
 
 def run_host_checks(instance_type: str | None, *, fsx_path: str | None = None,
                     floor: float | None = None) -> dict[str, sanity.Check]:
     report = sanity.Report(rank=0, local_rank=0, world_size=1, backend="cpu")
-    spec = sanity.INSTANCE_TYPES[instance_type] if instance_type else None
+    spec = contract.INSTANCE_TYPES[instance_type] if instance_type else None
     sanity.HostChecks(report, spec, instance_type, fsx_path, floor, iterations=1,
                       deadline=time.monotonic() + 60).run_all()
     return {c.name: c for c in report.checks}
@@ -253,3 +264,36 @@ def test_broken_nccom_and_trn1_2xlarge_without_efa(fake_host):
     assert checks["efa_devices"].status == "passed" and checks["efa_devices"].actual == 0
     assert checks["efa_provider"].status == "skipped" and "no EFA" in checks["efa_provider"].detail
     assert checks["nccom_all_reduce"].status == "failed" and "errors found" in checks["nccom_all_reduce"].detail
+
+
+def test_without_neuron_ls_the_expected_devices_are_counted_in_dev(fake_host, tmp_path):
+    """The job definition maps /dev/neuron0..N-1 into the container: with an instance type to
+    check against, a host without neuron-ls is judged by those device files, never skipped."""
+    for i in range(15):
+        (tmp_path / "dev" / f"neuron{i}").touch()
+    check = run_host_checks("trn1.32xlarge")["neuron_devices"]
+    assert (check.status, check.expected, check.actual) == ("failed", {"devices": 16}, {"devices": 15})
+    assert "missing Neuron devices" in check.detail
+    (tmp_path / "dev" / "neuron15").touch()
+    assert run_host_checks("trn1.32xlarge")["neuron_devices"].status == "passed"
+    assert run_host_checks(None)["neuron_devices"].status == "skipped"  # no instance type: nothing to expect
+
+
+@pytest.mark.skipif(Path("/dev/neuron0").exists() or Path("/dev/infiniband").exists(),
+                    reason="this host has Neuron or EFA devices")
+def test_instance_type_from_the_environment_fails_75_naming_the_missing_devices(tmp_path):
+    """What the sanity job does on a host that is not the trn1.32xlarge it was promised."""
+    result = run_cli("sanity", "--run-dir", tmp_path, "--backend", "cpu", "--iterations", "1", "--timeout-s", "120",
+                     env=cli_env(INSTANCE_TYPE="trn1.32xlarge"))
+    assert result.returncode == ExitCode.RETRYABLE == 75, result.stderr[-3000:]
+    assert "neuron_devices: expected {'devices': 16}, actual {'devices': 0}" in result.stderr
+    assert "efa_devices: expected 8, actual 0" in result.stderr and "missing EFA devices" in result.stderr
+    summary = read_json(tmp_path / "sanity" / "sanity.json")
+    assert summary["instance_type"] == "trn1.32xlarge" and summary["exit_code"] == 75
+    assert {c["name"] for c in summary["checks"] if c["status"] == "failed"} == {"neuron_devices", "efa_devices"}
+
+
+def test_an_instance_type_outside_the_table_is_a_config_error(tmp_path):
+    result = run_cli("sanity", "--run-dir", tmp_path, "--backend", "cpu", env=cli_env(INSTANCE_TYPE="p4d.24xlarge"))
+    assert result.returncode == ExitCode.BAD_CONFIG, result.stderr[-3000:]
+    assert "not in the instance table" in result.stderr
