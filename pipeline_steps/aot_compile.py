@@ -1,23 +1,28 @@
 """The `compile` step: trace (and on Trainium, compile) every graph training will need, ahead of time.
 
-Reads   DIR/prepared/ (from `prepare`), and the same flags as `train`.
+Reads   DIR/prepared/ (from `prepare`), and exactly the flags of `train`.
 Writes  DIR/compile/compile.json (graphs traced, their batch shapes, seconds), DIR/compile/trial/
         (the trial's throw-away checkpoints: trial weights are never used), and locally
         DIR/compile/xla_cache/ (the ledger `train` checks its graphs against).
 
 Trainium (per node; not under torchrun: it launches torchrun itself, from $TORCHRUN_ARGS):
-    python -m pipeline_steps compile --run-dir /fsx/runs/$RUN_ID --preset base --backend xla --bf16 \
-        --cache-url s3://<cache bucket>/neuron
-  runs `neuron_parallel_compile torchrun $TORCHRUN_ARGS -m pipeline_steps train <the same flags>
-  --max-steps 10` -- the same world size and arguments as training, or the cache misses -- with
-  NEURON_CC_FLAGS defaulting to M5's `--target trn1 --model-type transformer --optlevel 1` and
-  NEURON_COMPILE_CACHE_URL=<cache url>/neuronx-cc-<version>/ (compiler upgrades never read stale NEFFs).
+    python -m pipeline_steps compile <the train step's arguments> [--steps 10]
+  runs `neuron_parallel_compile torchrun $TORCHRUN_ARGS -m pipeline_steps train <the same arguments,
+  verbatim> --run-dir DIR/compile/trial --max-steps 10 --no-progress`, in this process's environment:
+  NEURON_CC_FLAGS and the cache (NEURON_COMPILE_CACHE_URL, else <$NEURON_COMPILE_CACHE_URL_BASE>/
+  neuronx-cc-<version>/) are what `train` uses, because the cache key hashes the graph and the flags.
+  The job definitions give Compile and Train one command and one environment.
 Local (PyTorch/XLA on CPU):
     PJRT_DEVICE=CPU python -m pipeline_steps compile --run-dir runs/demo --preset tiny --backend xla
   runs the same trial in-process: one training step per length bucket (+ more up to --steps), one
   holdout forward per bucket, one checkpoint; `train` afterwards reports the graphs it needed that
   the trial had not traced (`graphs_not_in_compile_cache`, expected 0).
 Eager backends (cpu, cuda) have nothing to compile: the step records that and exits 0.
+
+Exit codes: a graph the Neuron compiler rejects is 78 (not retried: the cache records the failed
+graph and a rerun with the same flags only repeats it); a trial whose training processes hit a
+transient fault (they record 75: device or collective failure, stall) or a trial killed by a signal
+is 75 (retried).
 """
 
 from __future__ import annotations
@@ -29,19 +34,24 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from . import distributed as dist_lib
-from .errors import BadConfigError, RetryableError
+from .errors import EXIT_CODE_FILE_ENV, BadConfigError, ExitCode, RetryableError, StepError
 from . import tracking
 from .fileio import atomic_write_json
 from .train import Trainer, add_train_args, resolve_train_config
 
 log = logging.getLogger(__name__)
 
-DEFAULT_NEURON_CC_FLAGS = "--target trn1 --model-type transformer --optlevel 1"
+# Flags that belong to `compile` only; everything else on its command line is the training command.
+_COMPILE_ONLY = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+_COMPILE_ONLY.add_argument("--steps", type=int, default=10, help="training steps in the trial (default 10)")
 
 
 def trial_dir(run_dir: Path) -> Path:
@@ -54,45 +64,69 @@ def trial_dir(run_dir: Path) -> Path:
     return trial
 
 
-def train_flags(args: argparse.Namespace) -> list[str]:
-    """The training flags, reproduced exactly (graph identity depends on them)."""
-    flags = ["--preset", args.preset, "--backend", "xla"]
-    for name in ("epochs", "lr", "seed", "checkpoint_every", "log_every"):
-        value = getattr(args, name)
-        if value is not None:
-            flags += [f"--{name.replace('_', '-')}", str(value)]
-    if args.bf16:
-        flags.append("--bf16")
-    if args.init_from is not None:
-        flags += ["--init-from", str(args.init_from)]
-    return flags
+def training_argv(argv: list[str]) -> list[str]:
+    """`compile`'s command line without its own flags: the `train` arguments, verbatim and in order."""
+    return _COMPILE_ONLY.parse_known_args(argv)[1]
 
 
-def neuron_command(args: argparse.Namespace, trial: Path) -> tuple[list[str], dict[str, str]]:
-    torchrun_args = shlex.split(os.environ.get("TORCHRUN_ARGS", "--standalone --nproc_per_node 32"))
-    cmd = ["neuron_parallel_compile", "torchrun", *torchrun_args, "-m", "pipeline_steps", "train",
-           "--run-dir", str(trial), *train_flags(args), "--max-steps", str(args.steps), "--no-progress"]
-    env = dict(os.environ)
-    env.setdefault("NEURON_CC_FLAGS", DEFAULT_NEURON_CC_FLAGS)
-    url = dist_lib.neuron_cache_url(args.cache_url)
-    if url:
-        env["NEURON_COMPILE_CACHE_URL"] = url
-    return cmd, env
+def neuron_command(train_argv: list[str], trial: Path, steps: int,
+                   environ: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
+    """The trial: exactly the training command, with the trial's run dir and step count appended
+    (argparse keeps the last value), under neuron_parallel_compile, in the given environment."""
+    torchrun_args = shlex.split(environ.get("TORCHRUN_ARGS", "--standalone --nproc_per_node 32"))
+    cmd = ["neuron_parallel_compile", "torchrun", *torchrun_args, "-m", "pipeline_steps", "train", *train_argv,
+           "--run-dir", str(trial), "--max-steps", str(steps), "--no-progress"]
+    return cmd, dict(environ)
 
 
-def compile_on_neuron(args: argparse.Namespace) -> dict[str, Any]:
+def recorded_exit_code(path: Path) -> int | None:
+    """The code the first failing training process recorded (errors.record_exit_code), if any."""
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def trial_failure(returncode: int, recorded: int | None) -> StepError:
+    """Which failure a non-zero neuron_parallel_compile is, and so whether Batch retries it."""
+    if returncode < 0:
+        return RetryableError(f"neuron_parallel_compile was killed by signal {-returncode} (host OOM or "
+                              "termination): transient, retried")
+    if recorded == ExitCode.RETRYABLE:
+        return RetryableError(f"the trial's training processes hit a transient fault (they recorded exit "
+                              f"{recorded}; neuron_parallel_compile exited {returncode}); see the log above")
+    if recorded is not None:
+        error = StepError(f"the trial's training processes failed with exit {recorded} (the same as `train` "
+                          f"would); neuron_parallel_compile exited {returncode}; see the log above")
+        error.exit_code = ExitCode(recorded) if recorded in set(ExitCode) else ExitCode.INTERNAL
+        return error
+    return BadConfigError(
+        f"neuron_parallel_compile exited {returncode} and no training process failed: the Neuron compiler "
+        "rejected a graph (its error is in the log above). Not retried: the compile cache records the "
+        "failed graph, so a rerun with the same preset and NEURON_CC_FLAGS repeats it. Fix the model "
+        "config or the flags; after an environment failure (e.g. host OOM while compiling) rerun with "
+        "--retry_failed_compilation added to NEURON_CC_FLAGS for both Compile and Train.")
+
+
+def compile_on_neuron(args: argparse.Namespace, train_argv: list[str]) -> dict[str, Any]:
     if shutil.which("neuron_parallel_compile") is None:
         raise BadConfigError("neuron_parallel_compile is not on PATH: run compile inside the Neuron training image")
-    cmd, env = neuron_command(args, trial_dir(args.run_dir))
-    log.info("NEURON_CC_FLAGS=%s NEURON_COMPILE_CACHE_URL=%s", env["NEURON_CC_FLAGS"],
+    dist_lib.configure_neuron_cache()  # the same call, so the same cache, as `train`
+    cmd, env = neuron_command(train_argv, trial_dir(args.run_dir), args.steps, os.environ)
+    if not env.get("NEURON_CC_FLAGS"):
+        log.warning("NEURON_CC_FLAGS is not set: the trial compiles with neuronx-cc defaults, and `train` "
+                    "must run without it too or it misses the cache")
+    log.info("NEURON_CC_FLAGS=%s NEURON_COMPILE_CACHE_URL=%s", env.get("NEURON_CC_FLAGS", ""),
              env.get("NEURON_COMPILE_CACHE_URL", "(default local cache)"))
     log.info("running: %s", shlex.join(cmd))
     started = time.monotonic()
-    result = subprocess.run(cmd, env=env, check=False)
-    if result.returncode != 0:
-        # Compilation failures of a graph that trained before are infrastructure (OOM, cache I/O).
-        raise RetryableError(f"neuron_parallel_compile exited {result.returncode}; see the log above")
-    return {"mode": "neuron_parallel_compile", "command": cmd, "neuron_cc_flags": env["NEURON_CC_FLAGS"],
+    with tempfile.TemporaryDirectory(prefix="compile-exit-") as tmp:
+        # The trial's training processes record their exit code here (torchrun itself exits 1).
+        code_file = Path(tmp) / "exit_code"
+        result = subprocess.run(cmd, env={**env, EXIT_CODE_FILE_ENV: str(code_file)}, check=False)
+        if result.returncode != 0:
+            raise trial_failure(result.returncode, recorded_exit_code(code_file))
+    return {"mode": "neuron_parallel_compile", "command": cmd, "neuron_cc_flags": env.get("NEURON_CC_FLAGS"),
             "cache_url": env.get("NEURON_COMPILE_CACHE_URL"), "seconds": time.monotonic() - started}
 
 
@@ -129,12 +163,11 @@ def compile_locally(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m pipeline_steps compile", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     parents=[_COMPILE_ONLY])
     add_train_args(parser)
-    parser.add_argument("--steps", type=int, default=10, help="training steps in the trial (default 10)")
-    parser.add_argument("--cache-url", default=os.environ.get(dist_lib.NEURON_CACHE_BASE_ENV),
-                        help="Neuron persistent cache base (s3://bucket/prefix); keyed by compiler version")
     args = parser.parse_args(argv)
     backend = args.backend or dist_lib.default_backend()
     out = args.run_dir / "compile" / "compile.json"
@@ -142,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         report: dict[str, Any] = {"mode": "skipped", "reason": f"backend {backend} runs eagerly: nothing to compile"}
         log.info("compile: %s", report["reason"])
     elif dist_lib.neuron_available():
-        report = compile_on_neuron(args)
+        report = compile_on_neuron(args, training_argv(argv))
     else:
         report = compile_locally(args)
         log.info("compile: %d graphs traced in %d train steps + 1 validation step + 1 checkpoint (%.1fs)",

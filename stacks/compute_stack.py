@@ -84,6 +84,7 @@ class ComputeStack(Stack):
             image=self.image,
             training=cfg.training,
             single_node=cfg.single_node,
+            training_config=config.training,
             default_num_nodes=config.pipeline.default_num_nodes,
             shared_memory_gib=cfg.shared_memory_gib,
             single_node_shared_memory_gib=cfg.single_node_shared_memory_gib,

@@ -5,9 +5,10 @@ with `-c stage=NAME` and may override the account/region from the CDK environmen
 below is plain data, validated in `__post_init__` with fix-it `ValueError`s, so a bad value fails
 at synth time on a laptop instead of half-way through a CloudFormation deployment.
 
-The per-instance-type table `INSTANCE_TYPES` is the single source of truth for EFA interface
-counts, Neuron devices and cores: the launch templates, the job definitions' device lists, the
-user-data health checks and NPROC_PER_NODE are all generated from it.
+The per-instance-type table `INSTANCE_TYPES` (defined in pipeline_steps/contract.py, shared with
+the steps) is the single source of truth for EFA interface counts, Neuron devices and cores: the
+launch templates, the job definitions' device lists, the user-data health checks, NPROC_PER_NODE
+and the sanity step's expected counts are all generated from it.
 
 Neuron AMI pins live in the committed file stacks/neuron_amis.json (written by
 `scripts/infra_pin_ami.sh <region>`); see `ComputeConfig.neuron_ami_ids` and `StageConfig.neuron_ami`.
@@ -22,41 +23,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 
+from pipeline_steps import contract
+from pipeline_steps.config import PRESETS
+from pipeline_steps.contract import InstanceSpec
 from stacks.pipeline_config import PipelineConfig
 
 
-# ---------------------------------------------------------------------------------------------
-# Instance table
-# ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True)
-class InstanceSpec:
-    """What a Trainium instance type brings to a node. Source: AWS Neuron docs,
-    "setup-trn1-multi-node-execution" and the EC2 accelerated-computing instance table."""
-
-    name: str
-    vcpus: int
-    memory_gib: int
-    neuron_devices: int
-    """/dev/neuron0..N-1: one per Trainium chip."""
-    neuron_cores: int
-    """NeuronCores = torchrun --nproc_per_node (one rank per core)."""
-    efa_interfaces: int
-    """EFA network cards; 0 = no EFA (the launch template then declares no interfaces)."""
-
-
-INSTANCE_TYPES: Mapping[str, InstanceSpec] = MappingProxyType(
-    {
-        "trn1.32xlarge": InstanceSpec(
-            name="trn1.32xlarge", vcpus=128, memory_gib=512, neuron_devices=16, neuron_cores=32, efa_interfaces=8
-        ),
-        "trn1n.32xlarge": InstanceSpec(
-            name="trn1n.32xlarge", vcpus=128, memory_gib=512, neuron_devices=16, neuron_cores=32, efa_interfaces=16
-        ),
-        "trn1.2xlarge": InstanceSpec(
-            name="trn1.2xlarge", vcpus=8, memory_gib=32, neuron_devices=1, neuron_cores=2, efa_interfaces=0
-        ),
-    }
-)
+# The instance table lives in pipeline_steps.contract (pure Python): `sanity` checks hosts against
+# the same rows the launch templates and job definitions are generated from.
+INSTANCE_TYPES = contract.INSTANCE_TYPES
 
 _AMI_RE = re.compile(r"^ami-[0-9a-f]{8}([0-9a-f]{9})?$")
 # AWS's current recommended ECS-optimized AL2023 Neuron AMI, per region (public SSM parameter).
@@ -69,16 +44,6 @@ _VERSION_RE = re.compile(r"^\d+(\.\d+){1,3}$")
 _FSX_P2_THROUGHPUTS = (125, 250, 500, 1000)
 # Retention values CloudWatch Logs accepts (PutRetentionPolicy).
 LOG_RETENTION_DAYS = (1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1827, 3653)
-
-
-def _instance(name: str, where: str) -> InstanceSpec:
-    if name not in INSTANCE_TYPES:
-        raise ValueError(
-            f"{where}={name!r} is not in the EFA/Neuron instance table; use one of "
-            f"{sorted(INSTANCE_TYPES)} or add a row to stacks.config.INSTANCE_TYPES "
-            "(EFA interfaces, Neuron devices/cores, vCPUs)."
-        )
-    return INSTANCE_TYPES[name]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,13 +195,13 @@ class ComputeConfig:
     log_retention_days: int = 365
 
     def __post_init__(self) -> None:
-        spec = _instance(self.training_instance_type, "ComputeConfig.training_instance_type")
+        spec = contract.instance_spec(self.training_instance_type, "ComputeConfig.training_instance_type")
         if spec.efa_interfaces < 1:
             raise ValueError(
                 f"ComputeConfig.training_instance_type={self.training_instance_type!r} has no EFA; multi-node "
                 "training needs trn1.32xlarge or trn1n.32xlarge (use it as single_node_instance_type instead)."
             )
-        _instance(self.single_node_instance_type, "ComputeConfig.single_node_instance_type")
+        contract.instance_spec(self.single_node_instance_type, "ComputeConfig.single_node_instance_type")
         if self.max_nodes < 1:
             raise ValueError(f"ComputeConfig.max_nodes={self.max_nodes}: must be >= 1 (nodes per multi-node job).")
         if self.single_node_max_instances < 1:
@@ -342,6 +307,54 @@ def load_pinned_amis(path: Path = PINNED_AMIS_FILE) -> Mapping[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Training run (what Compile and Train share)
+# ---------------------------------------------------------------------------------------------
+PRECISIONS = ("bf16", "fp32")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingConfig:
+    """How the Compile and Train jobs run the `train` step. Both job definitions are rendered from
+    these values (stacks/constructs/job_definitions.py training_arguments / training_environment):
+    the Neuron persistent cache keys every graph by a hash of the graph AND of the compiler flags,
+    so a Train job whose preset, precision or NEURON_CC_FLAGS differ from Compile's finds nothing
+    in the cache and recompiles everything.
+    https://awsdocs-neuron.readthedocs-hosted.com/en/latest/general/arch/neuron-features/neuron-caching.html"""
+
+    preset: str = "base"
+    """Model/batch shape preset (pipeline_steps/config.py PRESETS); decides every traced graph."""
+    precision: str = "bf16"
+    """bf16 (the trn1 default): weights cast to bfloat16 (`train --bf16`) with stochastic rounding
+    (NEURON_RT_STOCHASTIC_ROUNDING_EN=1), the way Neuron trains in full bf16; without the variable
+    the runtime rounds to nearest and small updates vanish. fp32: no cast, stochastic rounding off.
+    https://awsdocs-neuron.readthedocs-hosted.com/en/latest/about-neuron/appnotes/torch-neuronx/migration-from-xla-downcast-bf16.html
+    https://awsdocs-neuron.readthedocs-hosted.com/en/latest/general/arch/neuron-features/rounding-modes.html"""
+    neuron_cc_flags: str = "--target trn1 --model-type transformer --optlevel 1"
+    """NEURON_CC_FLAGS of Compile and Train (the same string, or the cache misses). --optlevel 1
+    trades some step speed for much shorter compiles of this small model."""
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            raise ValueError(f"TrainingConfig.preset={self.preset!r}: use one of {sorted(PRESETS)}.")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"TrainingConfig.precision={self.precision!r}: use one of {PRECISIONS} "
+                             "(bf16 is what Trainium trains fastest, with stochastic rounding).")
+        if "cache_dir" in self.neuron_cc_flags:
+            raise ValueError(
+                "TrainingConfig.neuron_cc_flags must not set --cache_dir: it would override the stage's "
+                "versioned compile cache (NEURON_COMPILE_CACHE_URL, from the cache bucket) that Compile "
+                "fills and Train reads; remove it."
+            )
+        if any(ch in self.neuron_cc_flags for ch in "\"'$`\n"):
+            raise ValueError(f"TrainingConfig.neuron_cc_flags={self.neuron_cc_flags!r}: plain flags only "
+                             "(no quotes, $, backquotes or newlines); the value is passed as is.")
+
+    @property
+    def bf16(self) -> bool:
+        return self.precision == "bf16"
+
+
+# ---------------------------------------------------------------------------------------------
 # Stage
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
@@ -359,6 +372,7 @@ class StageConfig:
     storage: StorageConfig = field(default_factory=StorageConfig)
     compute: ComputeConfig = field(default_factory=ComputeConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
     tags: Mapping[str, str] = field(default_factory=dict)
     git_commit: str = "unknown"
     """Commit the training image is built from (Docker build arg GIT_COMMIT, baked into the image's

@@ -3,7 +3,9 @@
 Multi-node (sanity, compile, train) on the training instance type; single-node (prepare, validate,
 embed as an array job, canary) on the small instance type. Device lists, NPROC_PER_NODE,
 INSTANCE_TYPE (what MLflow records and the cost is priced by) and the EFA environment come from the
-instance table (stacks/config.py INSTANCE_TYPES), never pasted.
+instance table (pipeline_steps/contract.py INSTANCE_TYPES, which `sanity` checks hosts against),
+never pasted. Compile and Train run one training command with one environment
+(`training_arguments`, `training_environment`, from the stage's TrainingConfig).
 
 Commands follow CONTRACTS.md: the image entrypoint (training_image/entrypoint.sh) receives
 `<step> --run-dir /fsx/runs/Ref::run_id ...`. Batch parameters cannot be optional, so every
@@ -11,8 +13,9 @@ optional flag has a default of "" and the entrypoint drops a flag whose value is
 
 Retry strategy (evaluateOnExit, first match wins): retry host/infrastructure failures
 (statusReason "Host EC2*") and the steps' RETRYABLE exit code 75; exit on everything else
-(0, 1, 2, 65 bad input, 78 bad config, 79 gate failed, 80 non-finite loss). For multi-node jobs
-Batch acts on the main node's exit code only.
+(0, 1, 2, 65 bad input, 78 bad config -- including a graph the Neuron compiler rejects, which
+the compile cache remembers as failed, so a retry would only repeat it -- 79 gate failed, 80
+non-finite loss). For multi-node jobs Batch acts on the main node's exit code only.
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ from aws_cdk import aws_iam as iam
 from aws_cdk import aws_logs as logs
 from constructs import Construct
 
-from stacks.config import InstanceSpec
+from pipeline_steps.errors import ExitCode
+from stacks.config import InstanceSpec, TrainingConfig
 from stacks.constructs.efa_launch_template import FSX_MOUNT_POINT
 
-RETRYABLE_EXIT_CODE = 75  # pipeline_steps.errors.RetryableError
+RETRYABLE_EXIT_CODE = int(ExitCode.RETRYABLE)  # the only code Batch retries
 RUN_DIR = "/fsx/runs/Ref::run_id"
 
 # EFA / Neuron collectives environment (DESIGN.md section 5; AWS Neuron multi-node setup docs).
@@ -42,17 +46,35 @@ EFA_ENVIRONMENT: Mapping[str, str] = {
     "MALLOC_ARENA_MAX": "64",
 }
 
-# Step -> (command, parameter defaults). "" = optional flag (dropped by the entrypoint).
-MULTI_NODE_STEPS: Mapping[str, tuple[list[str], dict[str, str]]] = {
-    "sanity": (["sanity", "--run-dir", RUN_DIR, "--fsx-path", FSX_MOUNT_POINT], {}),
-    # --cache-url defaults to env NEURON_COMPILE_CACHE_URL_BASE (set by the compute stack).
-    "compile": (["compile", "--run-dir", RUN_DIR, "--preset", "Ref::preset", "--backend", "xla"], {"preset": "base"}),
-    "train": (
-        ["train", "--run-dir", RUN_DIR, "--preset", "Ref::preset", "--backend", "xla",
-         "--init-from", "Ref::init_from", "--max-steps", "Ref::max_steps"],
-        {"preset": "base", "init_from": "", "max_steps": ""},
-    ),
-}
+
+def training_arguments(training: TrainingConfig) -> list[str]:
+    """The `train` step's arguments: the one definition both the Compile and the Train job run.
+    Compile passes them through unchanged to `neuron_parallel_compile torchrun ... train` (only the
+    trial's run dir and step count are appended), so every flag that shapes a graph -- preset
+    (model and batch shape), precision, backend -- is the same in both by construction."""
+    arguments = ["--run-dir", RUN_DIR, "--preset", training.preset, "--backend", "xla", "--init-from", "Ref::init_from"]
+    return arguments + (["--bf16"] if training.bf16 else [])
+
+
+def training_environment(training: TrainingConfig) -> dict[str, str]:
+    """Environment of the Compile and Train containers that decides compiled graphs and numerics.
+    NEURON_CC_FLAGS is hashed into every cache key (a different string = a cache miss); stochastic
+    rounding goes with bf16 and is off otherwise (TrainingConfig.precision). The cache location,
+    NEURON_COMPILE_CACHE_URL_BASE, is in every job's environment (the compute stack's)."""
+    return {"NEURON_CC_FLAGS": training.neuron_cc_flags,
+            "NEURON_RT_STOCHASTIC_ROUNDING_EN": "1" if training.bf16 else "0"}
+
+
+def multi_node_steps(training: TrainingConfig) -> Mapping[str, tuple[list[str], dict[str, str]]]:
+    """Step -> (command, parameter defaults). "" = optional flag (dropped by the entrypoint)."""
+    arguments = training_arguments(training)
+    return {
+        "sanity": (["sanity", "--run-dir", RUN_DIR, "--fsx-path", FSX_MOUNT_POINT], {}),
+        "compile": (["compile", *arguments], {"init_from": ""}),
+        "train": (["train", *arguments, "--max-steps", "Ref::max_steps"], {"init_from": "", "max_steps": ""}),
+    }
+
+
 SINGLE_NODE_STEPS: Mapping[str, tuple[list[str], dict[str, str]]] = {
     "prepare": (
         ["prepare", "--run-dir", RUN_DIR, "--data", "Ref::data_uri", "--preset", "Ref::preset", "--init-from", "Ref::init_from"],
@@ -126,6 +148,7 @@ class JobDefinitions(Construct):
         image: ecs.ContainerImage,
         training: InstanceSpec,
         single_node: InstanceSpec,
+        training_config: TrainingConfig,
         default_num_nodes: int,
         shared_memory_gib: int,
         single_node_shared_memory_gib: int,
@@ -150,10 +173,11 @@ class JobDefinitions(Construct):
         base_env = {"AWS_DEFAULT_REGION": Stack.of(self).region, **environment}
         self.job_definitions: dict[str, batch.IJobDefinition] = {}
 
-        for step, (command, parameters) in MULTI_NODE_STEPS.items():
+        for step, (command, parameters) in multi_node_steps(training_config).items():
             container = self._container(
                 f"{step.capitalize()}Container", image=image, spec=training, command=command,
-                environment={**base_env, **EFA_ENVIRONMENT, **_node_env(training)},
+                environment={**base_env, **EFA_ENVIRONMENT, **_node_env(training),
+                             **training_environment(training_config)},
                 shared_memory_gib=shared_memory_gib,
             )
             job_definition = batch.MultiNodeJobDefinition(

@@ -277,7 +277,22 @@ def test_single_node_job_definitions(dev_templates, step):
 
 def test_optional_parameters_have_empty_defaults(dev_templates):
     train = _job_definition(dev_templates["compute"], "train")
-    assert train["Parameters"] == {"preset": "base", "init_from": "", "max_steps": ""}
+    assert train["Parameters"] == {"init_from": "", "max_steps": ""}
+
+
+@pytest.mark.parametrize("templates_fixture", ["dev_templates", "prod_templates"])
+def test_compile_and_train_run_the_stage_preset_precision_and_compiler_flags(request, templates_fixture):
+    """Baked in from the stage config, not Batch parameters: a submission cannot give Compile and
+    Train different values (the compile cache would then miss)."""
+    config = request.getfixturevalue(templates_fixture.replace("templates", "config")).training
+    for step in ("compile", "train"):
+        container = _container(_job_definition(request.getfixturevalue(templates_fixture)["compute"], step))
+        command = container["Command"]
+        assert command[command.index("--preset") + 1] == config.preset == "base"
+        assert "--bf16" in command and config.precision == "bf16"
+        env = {e["Name"]: e["Value"] for e in container["Environment"]}
+        assert env["NEURON_CC_FLAGS"] == config.neuron_cc_flags
+        assert env["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "1"
 
 
 def test_embed_takes_the_shard_count_as_a_parameter(dev_templates):

@@ -1,13 +1,18 @@
-"""Contracts across the stacks, the entrypoint and the steps, on the real dev stage templates:
+"""Contracts across the stacks, the entrypoint and the steps, on the real stage templates:
 every Batch parameter a job definition's command needs is supplied; the embed shard count travels
-with the array size; the stall alarm watches exactly the RunId the train job's heartbeat emits."""
+with the array size; the stall alarm watches exactly the RunId the train job's heartbeat emits;
+Compile traces exactly Train's command with Train's flags and cache; sanity expects the devices
+the instance table (shared with the stacks) says its job maps."""
 
 from __future__ import annotations
 
+import fnmatch
 import io
 import json
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -128,3 +133,190 @@ def test_pipeline_outputs_are_what_the_cli_reads(request, stage):
         assert "TrackingServerArn" in json.dumps(arn)  # the compute stack's server, imported
     else:
         assert "MlflowTrackingServerArn" not in outputs
+
+
+# -- Compile and Train: one training command, one environment -------------------------------------
+def _render(value) -> str:
+    """A CloudFormation value as a deterministic string (tokens named, not resolved): enough to
+    compare two job definitions' values, which reference the same resources."""
+    if isinstance(value, str):
+        return value
+    if "Fn::Join" in value:
+        separator, parts = value["Fn::Join"]
+        return separator.join(_render(p) for p in parts)
+    if "Ref" in value:
+        return f"<{value['Ref']}>"
+    if "Fn::GetAtt" in value:
+        return "<{}.{}>".format(*value["Fn::GetAtt"])
+    if "Fn::ImportValue" in value:
+        return f"<import {_render(value['Fn::ImportValue'])}>"
+    return json.dumps(value, sort_keys=True)
+
+
+def _container_of(job: dict) -> dict:
+    if "NodeProperties" in job:
+        return job["NodeProperties"]["NodeRangeProperties"][0]["Container"]
+    return job["ContainerProperties"]
+
+
+def _environment(job: dict) -> dict[str, str]:
+    return {e["Name"]: _render(e["Value"]) for e in _container_of(job)["Environment"]}
+
+
+def _batch_command(job: dict, submitted: dict[str, str]) -> list[str]:
+    """The command as Batch runs it: `Ref::name` replaced by the submitted parameter, else the job
+    definition's default (https://docs.aws.amazon.com/batch/latest/userguide/job_definition_parameters.html)."""
+    values = {**job.get("Parameters", {}), **submitted}
+    return [re.sub(r"Ref::(\w+)", lambda m: values[m.group(1)], arg) for arg in _command(job)]
+
+
+# What the state machine's `Parameters` paths resolve to in one execution.
+EXAMPLE_RUN = {"run_id": "exec-2026-01-02-catalog-v8", "data_uri": "/fsx/data/incoming/catalog/v8",
+               "init_from": "/fsx/runs/exec-2026-01-01-catalog-v7"}
+
+
+def _run_entrypoint(command: list[str], env: dict[str, str], tmp_path: Path) -> tuple[list[str], dict[str, str]]:
+    """Run the image's entrypoint on a child node of a 2-node job, with fake `python` and `torchrun`
+    that record the argv and environment they were started with."""
+    bin_dir, out = tmp_path / "bin", tmp_path / "out"
+    bin_dir.mkdir(parents=True)
+    out.mkdir()
+    for tool in ("python", "torchrun"):
+        (bin_dir / tool).write_text(f"#!/usr/bin/env bash\nprintf '%s\\0' \"$@\" > '{out}/argv'\nenv -0 > '{out}/env'\n")
+        (bin_dir / tool).chmod(0o755)
+    batch_env = {"AWS_BATCH_JOB_NUM_NODES": "2", "AWS_BATCH_JOB_NODE_INDEX": "1",
+                 "AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS": "10.0.0.5"}
+    result = subprocess.run(["bash", str(ENTRYPOINT), *command], capture_output=True, text=True, check=False,
+                            env={**env, **batch_env, "PATH": f"{bin_dir}:/usr/bin:/bin", "TMPDIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    argv = (out / "argv").read_text().split("\0")[:-1]
+    recorded = dict(line.split("=", 1) for line in (out / "env").read_text().split("\0") if "=" in line)
+    return argv, recorded
+
+
+def _neuron_cache_location(environ: dict[str, str], monkeypatch) -> str | None:
+    """Where a `train` process started with `environ` reads and writes the Neuron cache on Trainium:
+    the same function train's main() calls."""
+    from pipeline_steps import distributed as dist_lib
+
+    with monkeypatch.context() as patch:
+        patch.setattr(dist_lib, "neuron_available", lambda: True)
+        patch.setattr(dist_lib.os, "environ", dict(environ))
+        return dist_lib.configure_neuron_cache()
+
+
+@pytest.mark.parametrize("stage", ["dev", "prod"])
+def test_compile_traces_exactly_the_training_command_with_the_same_flags_and_cache(request, stage, tmp_path,
+                                                                                    monkeypatch):
+    """The Neuron cache key hashes the graph and NEURON_CC_FLAGS: Train finds what Compile put there
+    only if the trial runs the same command (preset, batch shape, precision), with the same flags,
+    against the same cache. Rendered from the synthesized job definitions as Batch runs them."""
+    from pipeline_steps import aot_compile
+
+    templates, config = request.getfixturevalue(f"{stage}_templates"), request.getfixturevalue(f"{stage}_config")
+    pipeline = _definition(templates["pipeline"], "TrainingPipelineStateMachine")
+    submitted = {state: pipeline["States"][state]["Parameters"]["Parameters"] for state in ("Compile", "Train")}
+    assert submitted["Compile"] == submitted["Train"]  # the same run id, init_from, data
+    parameters = {k.removesuffix(".$"): EXAMPLE_RUN[k.removesuffix(".$")] for k in submitted["Train"]}
+    compile_job, train_job = (_job_definition(templates["compute"], key) for key in ("compile", "train"))
+
+    # One environment for both containers (compiler flags, rounding, cache base, EFA, ...).
+    assert _environment(compile_job) == _environment(train_job)
+
+    # Train: the entrypoint starts torchrun with the train step's arguments.
+    train_argv, train_env = _run_entrypoint(_batch_command(train_job, parameters), _environment(train_job),
+                                            tmp_path / "train")
+    # Compile: the entrypoint runs the compile step, which wraps the training command.
+    compile_argv, compile_env = _run_entrypoint(_batch_command(compile_job, parameters),
+                                                _environment(compile_job), tmp_path / "compile")
+    assert compile_argv[:3] == ["-m", "pipeline_steps", "compile"]
+    run_dir = Path("/fsx/runs") / EXAMPLE_RUN["run_id"]
+    trial, trial_env = aot_compile.neuron_command(aot_compile.training_argv(compile_argv[3:]),
+                                                  run_dir / "compile" / "trial", 10, compile_env)
+    assert trial[0] == "neuron_parallel_compile"
+    # The traced command is the training command, plus only the trial's run dir and step count.
+    assert trial[2:-5] == train_argv, (trial, train_argv)
+    assert trial[-5:] == ["--run-dir", str(run_dir / "compile" / "trial"), "--max-steps", "10", "--no-progress"]
+    assert train_argv[train_argv.index("--preset") + 1] == config.training.preset
+    assert train_argv[train_argv.index("--init-from") + 1] == EXAMPLE_RUN["init_from"]
+    assert ("--bf16" in train_argv) == (config.training.precision == "bf16")
+
+    # The same compiler flags and rounding mode in the trial's processes and in training.
+    for name in ("NEURON_CC_FLAGS", "NEURON_RT_STOCHASTIC_ROUNDING_EN"):
+        assert trial_env[name] == train_env[name], name
+    assert train_env["NEURON_CC_FLAGS"] == config.training.neuron_cc_flags
+    # The same cache location, derived the same way (keyed by compiler version) in both.
+    trial_cache = _neuron_cache_location(trial_env, monkeypatch)
+    assert trial_cache == _neuron_cache_location(train_env, monkeypatch)
+    assert trial_cache.startswith("s3://") and "/neuron/neuronx-cc-" in trial_cache
+
+
+def test_precision_sets_the_train_flag_and_stochastic_rounding_together():
+    from stacks.config import TrainingConfig
+    from stacks.constructs.job_definitions import training_arguments, training_environment
+
+    bf16, fp32 = TrainingConfig(), TrainingConfig(precision="fp32")
+    assert bf16.precision == "bf16"  # the trn1 default
+    assert "--bf16" in training_arguments(bf16) and training_environment(bf16)["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "1"
+    assert "--bf16" not in training_arguments(fp32) and training_environment(fp32)["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "0"
+    with pytest.raises(ValueError, match="precision='fp16'"):
+        TrainingConfig(precision="fp16")
+    with pytest.raises(ValueError, match="--cache_dir"):
+        TrainingConfig(neuron_cc_flags="--target trn1 --cache_dir=/tmp/cache")
+
+
+def _batch_retry_action(evaluate_on_exit: list[dict], exit_code: int) -> str:
+    """AWS Batch's decision for a job that exited with `exit_code`: the first rule whose OnExitCode
+    glob matches wins; none matching means RETRY.
+    https://docs.aws.amazon.com/batch/latest/APIReference/API_EvaluateOnExit.html"""
+    for rule in evaluate_on_exit:
+        if "OnExitCode" in rule and fnmatch.fnmatchcase(str(exit_code), rule["OnExitCode"]):
+            return rule["Action"].upper()
+    return "RETRY"
+
+
+def test_compile_retries_transient_faults_but_not_compiler_errors(dev_templates):
+    from pipeline_steps import aot_compile
+
+    rules = _job_definition(dev_templates["compute"], "compile")["RetryStrategy"]["EvaluateOnExit"]
+    compiler_error = aot_compile.trial_failure(1, recorded=None)
+    worker_fault = aot_compile.trial_failure(1, recorded=75)
+    killed = aot_compile.trial_failure(-9, recorded=None)
+    assert _batch_retry_action(rules, compiler_error.exit_code) == "EXIT"
+    assert _batch_retry_action(rules, worker_fault.exit_code) == "RETRY"
+    assert _batch_retry_action(rules, killed.exit_code) == "RETRY"
+
+
+# -- Sanity: the expected device counts come from the table the stacks use ------------------------
+@pytest.mark.parametrize("stage", ["dev", "prod"])
+def test_sanity_jobs_expect_the_devices_their_job_definition_maps(request, stage):
+    """The sanity step reads INSTANCE_TYPE from its job environment and looks the expected counts up
+    in the instance table the job definition's device list was generated from."""
+    from pipeline_steps import contract, sanity
+
+    templates, config = request.getfixturevalue(f"{stage}_templates"), request.getfixturevalue(f"{stage}_config")
+    for key, instance_type in (("sanity", config.compute.training_instance_type),
+                               ("canary", config.compute.single_node_instance_type)):
+        job = _job_definition(templates["compute"], key)
+        env = _environment(job)
+        assert sanity.expected_instance_type(None, env) == instance_type, key
+        spec = contract.INSTANCE_TYPES[instance_type]
+        devices = [d["HostPath"] for d in _container_of(job)["LinuxParameters"]["Devices"]]
+        assert sum(p.startswith("/dev/neuron") for p in devices) == spec.neuron_devices, key
+        assert sum(p.startswith("/dev/infiniband/uverbs") for p in devices) == spec.efa_interfaces, key
+        assert env["NPROC_PER_NODE"] == str(spec.neuron_cores), key
+
+
+def test_one_instance_table_and_synth_needs_no_torch():
+    """stacks/config.py re-exports the steps' table (not a copy), and importing every stack leaves
+    torch unimported, so `cdk synth` runs where torch is not installed."""
+    from pipeline_steps import contract
+    from stacks import config
+
+    assert config.INSTANCE_TYPES is contract.INSTANCE_TYPES
+    probe = ("import sys\nimport stacks.stages, stacks.config\n"
+             "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
+             "assert not loaded, loaded\n")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=False,
+                            cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
+import os
 from pathlib import Path
 
+import pytest
+
+from pipeline_steps import __main__ as cli
 from pipeline_steps import aot_compile
+from pipeline_steps import distributed as dist_lib
+from pipeline_steps.errors import ExitCode
 from pipeline_steps.fileio import read_json
 
 from .conftest import run_cli
@@ -35,19 +40,52 @@ def test_compile_on_an_eager_backend_is_a_recorded_no_op(tiny_run: Path) -> None
     assert read_json(tiny_run / "compile" / "compile.json")["mode"] == "skipped"
 
 
-def test_neuron_compile_wraps_exactly_the_training_command(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setenv("TORCHRUN_ARGS", "--nnodes 4 --node_rank 1 --nproc_per_node 32 --master_addr 10.0.0.5 "
-                                        "--master_port 29500")
-    monkeypatch.delenv("NEURON_CC_FLAGS", raising=False)
-    args = argparse.Namespace(preset="base", epochs=None, lr=3e-4, seed=None, checkpoint_every=None, log_every=None,
-                              bf16=True, init_from=Path("/fsx/runs/prev"), steps=10,
-                              cache_url="s3://cache-bucket/neuron")
-    cmd, env = aot_compile.neuron_command(args, tmp_path / "trial")
+def test_neuron_trial_is_the_training_command_verbatim(tmp_path: Path) -> None:
+    train_args = ["--run-dir", "/fsx/runs/r1", "--preset", "base", "--backend", "xla", "--init-from", "/fsx/runs/prev",
+                  "--bf16", "--lr", "3e-4"]
+    assert aot_compile.training_argv([*train_args[:4], "--steps", "12", *train_args[4:]]) == train_args
+    environ = {"TORCHRUN_ARGS": "--nnodes 4 --node_rank 1 --nproc_per_node 32 --master_addr 10.0.0.5 --master_port 29500",
+               "NEURON_CC_FLAGS": "--target trn1 --optlevel 1"}
+    cmd, env = aot_compile.neuron_command(train_args, tmp_path / "trial", 12, environ)
     assert cmd[:2] == ["neuron_parallel_compile", "torchrun"]
-    assert cmd[2:10] == ["--nnodes", "4", "--node_rank", "1", "--nproc_per_node", "32", "--master_addr", "10.0.0.5"]
-    train = cmd[cmd.index("train"):]
-    assert ["--preset", "base"] == train[3:5] and "--bf16" in train and "--lr" in train
-    assert train[train.index("--init-from") + 1] == "/fsx/runs/prev"
-    assert train[train.index("--max-steps") + 1] == "10"
-    assert env["NEURON_CC_FLAGS"] == "--target trn1 --model-type transformer --optlevel 1"
-    assert env["NEURON_COMPILE_CACHE_URL"].startswith("s3://cache-bucket/neuron/neuronx-cc-")
+    assert cmd[2:12] == environ["TORCHRUN_ARGS"].split()
+    train = cmd[cmd.index("train") + 1:]
+    assert train[:len(train_args)] == train_args  # verbatim, in order
+    assert train[len(train_args):] == ["--run-dir", str(tmp_path / "trial"), "--max-steps", "12", "--no-progress"]
+    assert env == environ  # no flag or cache of its own: the environment `train` gets
+
+
+def _fake_neuron_parallel_compile(bin_dir: Path, body: str) -> None:
+    bin_dir.mkdir(exist_ok=True)
+    tool = bin_dir / "neuron_parallel_compile"
+    tool.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$@\" > '{bin_dir}/argv'\n{body}\n")
+    tool.chmod(0o755)
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    ("exit 0", ExitCode.OK),
+    # The compiler rejected a graph: the workers ran fine, the wrapper fails. Deterministic.
+    ("echo 'ERROR: compilation failed for 1 graph(s)' >&2; exit 1", ExitCode.BAD_CONFIG),
+    # A training process recorded a transient fault (collective, device, stall): retried.
+    ('echo 75 > "$PIPELINE_EXIT_CODE_FILE"; exit 1', ExitCode.RETRYABLE),
+    ('echo 65 > "$PIPELINE_EXIT_CODE_FILE"; exit 1', ExitCode.BAD_INPUT),
+    ("kill -9 $$", ExitCode.RETRYABLE),
+], ids=["ok", "compiler-error", "transient-worker-fault", "bad-input", "killed"])
+def test_neuron_compile_failures_are_retryable_only_when_transient(tmp_path, monkeypatch, body, expected) -> None:
+    _fake_neuron_parallel_compile(tmp_path / "bin", body)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    monkeypatch.setenv("NEURON_COMPILE_CACHE_URL", "s3://cache/neuron/neuronx-cc-2.25/")
+    monkeypatch.setenv("NEURON_CC_FLAGS", "--target trn1")
+    monkeypatch.delenv("PIPELINE_EXIT_CODE_FILE", raising=False)
+    monkeypatch.setattr(dist_lib, "neuron_available", lambda: True)
+    run_dir = tmp_path / "run"
+    code = cli.main(["compile", "--run-dir", str(run_dir), "--preset", "tiny", "--backend", "xla", "--bf16",
+                     "--steps", "3"])
+    assert code == expected
+    argv = (tmp_path / "bin" / "argv").read_text().split("\n")
+    assert argv[argv.index("train") + 1:argv.index("train") + 8] == [
+        "--run-dir", str(run_dir), "--preset", "tiny", "--backend", "xla", "--bf16"]
+    if expected == ExitCode.OK:
+        report = read_json(run_dir / "compile" / "compile.json")
+        assert report["neuron_cc_flags"] == "--target trn1"
+        assert report["cache_url"] == "s3://cache/neuron/neuronx-cc-2.25/"
