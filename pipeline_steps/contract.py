@@ -18,9 +18,9 @@ INSTANCE_TYPE_ENV = "INSTANCE_TYPE"
 
 @dataclass(frozen=True, kw_only=True)
 class InstanceSpec:
-    """What a Trainium instance type brings to a node. Source: AWS Neuron docs,
-    https://awsdocs-neuron.readthedocs-hosted.com/en/latest/general/setup/setup-trn1-multi-node-execution.html
-    and the EC2 accelerated-computing instance table, https://aws.amazon.com/ec2/instance-types/trn1/."""
+    """What a Trainium instance type brings to a node. Sources (AWS Neuron docs): devices, vCPUs and
+    memory https://awsdocs-neuron.readthedocs-hosted.com/en/latest/general/arch/neuron-hardware/trn1-arch.html,
+    EFA devices https://awsdocs-neuron.readthedocs-hosted.com/en/latest/frameworks/torch/torch-neuronx/setup-trn1-multi-node-execution.html"""
 
     name: str
     vcpus: int
