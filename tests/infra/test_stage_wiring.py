@@ -263,6 +263,8 @@ def test_precision_sets_the_train_flag_and_stochastic_rounding_together():
         TrainingConfig(precision="fp16")
     with pytest.raises(ValueError, match="--cache_dir"):
         TrainingConfig(neuron_cc_flags="--target trn1 --cache_dir=/tmp/cache")
+    with pytest.raises(ValueError, match="preset='huge'"):
+        TrainingConfig(preset="huge")
 
 
 def _batch_retry_action(evaluate_on_exit: list[dict], exit_code: int) -> str:
