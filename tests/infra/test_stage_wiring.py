@@ -182,7 +182,8 @@ def _run_entrypoint(command: list[str], env: dict[str, str], tmp_path: Path) -> 
     bin_dir.mkdir(parents=True)
     out.mkdir()
     for tool in ("python", "torchrun"):
-        (bin_dir / tool).write_text(f"#!/usr/bin/env bash\nprintf '%s\\0' \"$@\" > '{out}/argv'\nenv -0 > '{out}/env'\n")
+        (bin_dir / tool).write_text(
+            f"#!/usr/bin/env bash\nprintf '%s\\0' \"$@\" > '{out}/argv'\nenv -0 > '{out}/env'\n")
         (bin_dir / tool).chmod(0o755)
     batch_env = {"AWS_BATCH_JOB_NUM_NODES": "2", "AWS_BATCH_JOB_NODE_INDEX": "1",
                  "AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS": "10.0.0.5"}
@@ -217,6 +218,9 @@ def test_compile_traces_exactly_the_training_command_with_the_same_flags_and_cac
     pipeline = _definition(templates["pipeline"], "TrainingPipelineStateMachine")
     submitted = {state: pipeline["States"][state]["Parameters"]["Parameters"] for state in ("Compile", "Train")}
     assert submitted["Compile"] == submitted["Train"]  # the same run id, init_from, data
+    # The same node count: the world size is part of every graph with a collective.
+    node_overrides = [pipeline["States"][state]["Parameters"]["NodeOverrides"] for state in ("Compile", "Train")]
+    assert node_overrides[0] == node_overrides[1] == {"NumNodes.$": "$.run.num_nodes"}
     parameters = {k.removesuffix(".$"): EXAMPLE_RUN[k.removesuffix(".$")] for k in submitted["Train"]}
     compile_job, train_job = (_job_definition(templates["compute"], key) for key in ("compile", "train"))
 
@@ -257,8 +261,9 @@ def test_precision_sets_the_train_flag_and_stochastic_rounding_together():
 
     bf16, fp32 = TrainingConfig(), TrainingConfig(precision="fp32")
     assert bf16.precision == "bf16"  # the trn1 default
-    assert "--bf16" in training_arguments(bf16) and training_environment(bf16)["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "1"
-    assert "--bf16" not in training_arguments(fp32) and training_environment(fp32)["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "0"
+    rounding = "NEURON_RT_STOCHASTIC_ROUNDING_EN"
+    assert "--bf16" in training_arguments(bf16) and training_environment(bf16)[rounding] == "1"
+    assert "--bf16" not in training_arguments(fp32) and training_environment(fp32)[rounding] == "0"
     with pytest.raises(ValueError, match="precision='fp16'"):
         TrainingConfig(precision="fp16")
     with pytest.raises(ValueError, match="--cache_dir"):

@@ -44,7 +44,8 @@ def test_neuron_trial_is_the_training_command_verbatim(tmp_path: Path) -> None:
     train_args = ["--run-dir", "/fsx/runs/r1", "--preset", "base", "--backend", "xla", "--init-from", "/fsx/runs/prev",
                   "--bf16", "--lr", "3e-4"]
     assert aot_compile.training_argv([*train_args[:4], "--steps", "12", *train_args[4:]]) == train_args
-    environ = {"TORCHRUN_ARGS": "--nnodes 4 --node_rank 1 --nproc_per_node 32 --master_addr 10.0.0.5 --master_port 29500",
+    environ = {"TORCHRUN_ARGS": "--nnodes 4 --node_rank 1 --nproc_per_node 32 --master_addr 10.0.0.5 "
+                                "--master_port 29500",
                "NEURON_CC_FLAGS": "--target trn1 --optlevel 1"}
     cmd, env = aot_compile.neuron_command(train_args, tmp_path / "trial", 12, environ)
     assert cmd[:2] == ["neuron_parallel_compile", "torchrun"]
