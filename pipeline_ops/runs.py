@@ -7,7 +7,8 @@ Everything is derived from three sources, in this order of trust:
   parameters it sent (node count override, array size) and the job id it got back;
 - DescribeJobs: status, statusReason, startedAt/stoppedAt (epoch ms), node properties, log stream;
 - the state machine's stack outputs (StateMachineArn, ExperimentsQueueArn and, when the stack
-  exports them, TrainingInstanceType / SingleNodeInstanceType).
+  exports them, TrainingInstanceType / SingleNodeInstanceType) and the storage stack's
+  (DataBucketName, ArtifactsBucketName).
 """
 
 from __future__ import annotations

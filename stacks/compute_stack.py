@@ -15,6 +15,7 @@ from constructs import Construct
 
 from stacks.config import StageConfig
 from stacks.constructs.job_definitions import JobDefinitions
+from stacks.constructs.log_encryption import log_encryption_key
 from stacks.constructs.mlflow_tracking import MlflowTracking
 from stacks.constructs.retention import retention_days
 from stacks.constructs.trainium_compute import TrainiumCompute
@@ -97,6 +98,7 @@ class ComputeStack(Stack):
                 **tracking_env,
             },
             log_retention=retention_days(cfg.log_retention_days),
+            log_key=log_encryption_key(self, "LogsKey", description=f"{config.project}-{config.name}: Batch job logs"),
         )
         # Which AMI a deploy actually used (the resolved SSM value when unpinned).
         CfnOutput(self, "NeuronAmiId", value=self.compute.machine_image.get_image(self).image_id,

@@ -400,3 +400,19 @@ def test_a_configured_uri_is_passed_as_is_without_a_server():
     for key in JOB_KEYS:
         assert _env(template, key)["MLFLOW_TRACKING_URI"] == uri, key
     assert "MlflowTrackingServerArn" not in Template.from_stack(stacks["pipeline"]).to_json()["Outputs"]
+
+
+@pytest.mark.parametrize("templates_fixture", ["dev_templates", "prod_templates"])
+def test_every_log_group_is_kms_encrypted_by_a_key_logs_may_use(request, templates_fixture):
+    t = request.getfixturevalue(templates_fixture)["compute"]
+    groups = t.find_resources("AWS::Logs::LogGroup")
+    assert groups
+    keys = t.find_resources("AWS::KMS::Key")
+    for group in groups.values():
+        key_ref = group["Properties"]["KmsKeyId"]
+        key = keys[key_ref["Fn::GetAtt"][0]]
+        assert key["Properties"]["EnableKeyRotation"] is True
+        statements = key["Properties"]["KeyPolicy"]["Statement"]
+        logs = [s for s in statements if "logs." in json.dumps(s.get("Principal", {}))]
+        assert logs and "kms:GenerateDataKey*" in logs[0]["Action"], statements
+        assert "kms:EncryptionContext:aws:logs:arn" in json.dumps(logs[0]["Condition"])

@@ -200,9 +200,28 @@ def test_canary_schedule_and_alarm(syn):
     assert props["ScheduleExpression"] == "rate(1 hour)"
     assert ":scheduler:::aws-sdk:batch:submitJob" in json.dumps(props["Target"]["Arn"])
     assert "ShareIdentifier" in json.dumps(props["Target"]["Input"])
-    syn.template.has_resource_properties("AWS::CloudWatch::Alarm", {
-        "MetricName": "TriggeredRules", "Namespace": "AWS/Events", "TreatMissingData": "breaching",
-        "ComparisonOperator": "LessThanThreshold", "Period": 7200, "AlarmActions": Match.any_value()})
+
+def test_canary_alarm_stays_ok_after_a_deploy_and_fires_when_submitted_canaries_do_not_succeed(syn):
+    # Right after a deploy no canary ran yet: the success metric has no data. The alarm must not
+    # treat that as an outage, but two submitted canaries without a success are one.
+    (schedule,) = _resources(syn, "AWS::Scheduler::Schedule").values()
+    ((group_id, group),) = _resources(syn, "AWS::Scheduler::ScheduleGroup").items()
+    group_name = group["Properties"]["Name"]
+    assert schedule["Properties"]["GroupName"] == group_name and group_id in schedule.get("DependsOn", [])
+    alarms = [a["Properties"] for a in _resources(syn, "AWS::CloudWatch::Alarm").values()
+              if "canary" in a["Properties"].get("AlarmDescription", "")]
+    (alarm,) = alarms
+    assert alarm["TreatMissingData"] == "notBreaching"
+    assert alarm["ComparisonOperator"] == "GreaterThanOrEqualToThreshold" and alarm["Threshold"] == 1
+    by_id = {m["Id"]: m for m in alarm["Metrics"]}
+    assert by_id["submitted"]["MetricStat"]["Metric"]["MetricName"] == "InvocationAttemptCount"
+    assert by_id["submitted"]["MetricStat"]["Metric"]["Dimensions"] == [{"Name": "ScheduleGroup",
+                                                                         "Value": group_name}]
+    assert by_id["succeeded"]["MetricStat"]["Metric"]["MetricName"] == "TriggeredRules"
+    assert all(by_id[k]["MetricStat"]["Period"] == 7200 for k in ("submitted", "succeeded"))
+    (expression,) = [m for m in alarm["Metrics"] if "Expression" in m]
+    assert expression["Expression"] == "IF(FILL(submitted, 0) >= 2 AND FILL(succeeded, 0) < 1, 1, 0)"
+    assert alarm["AlarmActions"]
 
 
 def test_every_alarm_notifies_the_topic(syn):
