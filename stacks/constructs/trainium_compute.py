@@ -24,7 +24,7 @@ from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_iam as iam
 from constructs import Construct
 
-from stacks.config import ComputeConfig, InstanceSpec, NeuronAmi
+from stacks.config import CapacityReservation, ComputeConfig, InstanceSpec, NeuronAmi
 from stacks.constructs.efa_launch_template import EfaLaunchTemplate
 
 # Queue name -> (compute environment key, priority). Priority only orders queues sharing a CE.
@@ -90,12 +90,13 @@ class TrainiumCompute(Construct):
 
         self.launch_templates: dict[str, EfaLaunchTemplate] = {}
         self.compute_environments: dict[str, batch.ManagedEc2EcsComputeEnvironment] = {}
-        for key, spec, max_instances, placement in (
-            ("training", config.training, config.max_nodes, placement_group),
-            ("single-node", config.single_node, config.single_node_max_instances, None),
+        for key, spec, max_instances, placement, reservation in (
+            ("training", config.training, config.max_nodes, placement_group, config.training_capacity_reservation),
+            ("single-node", config.single_node, config.single_node_max_instances, None, None),
         ):
             self._compute_environment(
                 key, spec=spec, max_instances=max_instances, placement_group=placement, config=config,
+                capacity_reservation=reservation,
                 image=image, vpc=vpc, subnets=subnets, node_security_group=node_security_group,
                 fsx_dns_name=fsx_dns_name, fsx_mount_name=fsx_mount_name,
             )
@@ -140,14 +141,14 @@ class TrainiumCompute(Construct):
 
     def _compute_environment(
         self, key: str, *, spec: InstanceSpec, max_instances: int, placement_group: ec2.IPlacementGroup | None,
-        config: ComputeConfig, image: batch.EcsMachineImage, vpc: ec2.IVpc, subnets: ec2.SubnetSelection,
-        node_security_group: ec2.ISecurityGroup, fsx_dns_name: str, fsx_mount_name: str,
+        config: ComputeConfig, capacity_reservation: CapacityReservation | None, image: batch.EcsMachineImage,
+        vpc: ec2.IVpc, subnets: ec2.SubnetSelection, node_security_group: ec2.ISecurityGroup, fsx_dns_name: str, fsx_mount_name: str,
     ) -> None:
         prefix = "".join(part.capitalize() for part in key.split("-"))
         template = EfaLaunchTemplate(
             self, f"{prefix}LaunchTemplate", spec=spec, security_group=node_security_group,
             root_volume_gib=config.root_volume_gib, min_driver=config.min_neuron_driver_version,
-            fsx_dns_name=fsx_dns_name, fsx_mount_name=fsx_mount_name,
+            fsx_dns_name=fsx_dns_name, fsx_mount_name=fsx_mount_name, capacity_reservation=capacity_reservation,
         )
         has_interfaces = bool(template.interfaces)
         ce = batch.ManagedEc2EcsComputeEnvironment(
