@@ -259,11 +259,6 @@ def cmd_start(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
                        ("embed_shards", args.embed_shards)):
         if value is not None:
             run_input[key] = value
-    if args.share and args.share != "production" and not args.state_machine_arn:
-        # Experiment runs go to the experiments queue (same compute, its own fair share).
-        queue = ctx.outputs().get("ExperimentsQueueArn")
-        if queue:
-            run_input["training_queue"] = queue
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
     name = args.name or R.execution_name(run_input.get("dataset", "manual"), run_input.get("version", ""),
                                          suffix=f"-{stamp}")

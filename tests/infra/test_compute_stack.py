@@ -194,9 +194,9 @@ def test_fair_share_policy(dev_templates, dev_config, dev_stage):
 
 
 def test_queues_have_policy_and_cancel_stuck_runnable_jobs(dev_templates, dev_stage, dev_config):
-    assert set(dev_stage["compute"].queues) == {"production", "experiments", "single-node"}
+    assert set(dev_stage["compute"].queues) == {"training", "single-node"}
     queues = _resources(dev_templates["compute"], "AWS::Batch::JobQueue")
-    assert len(queues) == 3
+    assert len(queues) == 2
     (policy_id,) = _resources(dev_templates["compute"], "AWS::Batch::SchedulingPolicy")
     for queue in queues.values():
         props = queue["Properties"]
@@ -210,6 +210,52 @@ def test_queues_have_policy_and_cancel_stuck_runnable_jobs(dev_templates, dev_st
         for a in actions:
             assert (a["Action"], a["State"]) == ("CANCEL", "RUNNABLE")
             assert a["MaxTimeSeconds"] == 60 * dev_config.compute.runnable_timeout_minutes
+
+
+def _json_with_references(value) -> dict:
+    """A JSON string property (literal or Fn::Join), every CloudFormation reference replaced by "X"."""
+    if isinstance(value, dict):
+        value = "".join(p if isinstance(p, str) else "X" for p in value["Fn::Join"][1])
+    return json.loads(value)
+
+
+def _state_machine_definition(pipeline_template) -> dict:
+    (machine,) = [r for r in pipeline_template.find_resources("AWS::StepFunctions::StateMachine").values()
+                  if "CheckShare" in json.dumps(r["Properties"]["DefinitionString"])]
+    return _json_with_references(machine["Properties"]["DefinitionString"])
+
+
+@pytest.mark.parametrize("stage", ["dev", "prod"])
+def test_every_submit_names_a_share_the_policy_defines(request, stage):
+    # Batch gives an identifier the policy does not define the default weight; the shares would
+    # then decide nothing. Every submission must name one of the policy's identifiers.
+    templates, cfg = request.getfixturevalue(f"{stage}_templates"), request.getfixturevalue(f"{stage}_config")
+    (policy,) = _resources(templates["compute"], "AWS::Batch::SchedulingPolicy").values()
+    defined = {s["ShareIdentifier"] for s in policy["Properties"]["FairsharePolicy"]["ShareDistribution"]}
+    states = _state_machine_definition(templates["pipeline"])["States"]
+    assert states["Defaults"]["Result"]["share"] in defined
+    # The input's share is checked before anything is submitted: only defined shares pass.
+    assert states["ApplyDefaults"]["Next"] == "CheckShare"
+    (reject,) = states["CheckShare"]["Choices"]
+    assert {c["StringEquals"] for c in reject["Not"]["Or"]} == defined and reject["Next"] == "UnknownShare"
+    assert states["UnknownShare"]["Type"] == "Fail"
+    submits = {n: s for n, s in states.items() if s.get("Resource") == "arn:aws:states:::batch:submitJob.sync"}
+    assert len(submits) == 6
+    for name, state in submits.items():
+        params = state["Parameters"]
+        assert params.get("ShareIdentifier.$") == "$.run.share" or params.get("ShareIdentifier") in defined, name
+    for schedule in _resources(templates["pipeline"], "AWS::Scheduler::Schedule").values():  # the canary
+        submitted = _json_with_references(schedule["Properties"]["Target"]["Input"])
+        assert submitted["ShareIdentifier"] in defined
+    assert cfg.pipeline.experiments_share in defined
+
+
+def test_one_fair_share_queue_per_compute_environment(dev_templates):
+    # Share identifiers are not aggregated across queues, so two queues on the training compute
+    # environment would make the share weights meaningless.
+    queues = _resources(dev_templates["compute"], "AWS::Batch::JobQueue").values()
+    environments = [q["Properties"]["ComputeEnvironmentOrder"][0]["ComputeEnvironment"] for q in queues]
+    assert len(environments) == len({json.dumps(e, sort_keys=True) for e in environments}) == 2
 
 
 # -- Job definitions ---------------------------------------------------------------------------

@@ -78,7 +78,7 @@ def test_multi_node_steps_share_node_count_and_queue(definition):
     for step in ("Sanity", "Compile", "Train"):
         params = definition["States"][step]["Parameters"]
         assert params["NodeOverrides"] == {"NumNodes.$": "$.run.num_nodes"}
-        assert params["JobQueue.$"] == "$.run.training_queue"
+        assert params["JobQueue"] == FAKE and "JobQueue.$" not in params  # the one training queue
     embed = definition["States"]["Embed"]["Parameters"]
     assert embed["ArrayProperties"] == {"Size.$": "$.run.embed_shards"}
     assert "gate_s3_uri.$" in definition["States"]["Validate"]["Parameters"]["Parameters"]

@@ -50,9 +50,7 @@ def world():
             patched_moto_batch() as hooks, \
             mock.patch.object(callback_module, "_DELAY_SECONDS_SYNC_CONDITION_CHECK", 0.05):  # faster .sync polls
         w = _World(hooks)
-        queue = w.batch.describe_job_queues(jobQueues=["experiments"])["jobQueues"][0]["jobQueueArn"]
-        cloudformation = _CloudFormation({"TrnEmbed-dev-Pipeline": {"StateMachineArn": w.pipeline_arn,
-                                                                    "ExperimentsQueueArn": queue},
+        cloudformation = _CloudFormation({"TrnEmbed-dev-Pipeline": {"StateMachineArn": w.pipeline_arn},
                                           "TrnEmbed-dev-Storage": {"DataBucketName": DATA,
                                                                    "ArtifactsBucketName": ARTIFACTS}})
         real_client = cli.Context.client
@@ -101,10 +99,11 @@ def test_start_sends_the_documented_input(world, capsys):
     assert by_name["prepare"]["parameters"]["data_uri"] == "/fsx/data/incoming/catalog/v1"
 
 
-def test_start_experiment_goes_to_the_experiments_queue_and_names_itself(world, capsys):
+def test_start_experiment_names_its_share_and_itself(world, capsys):
+    # One fair-share training queue: the share identifier, not a second queue, marks an experiment.
     out = run_json(capsys, "start", "--data-uri", "/fsx/data/incoming/catalog/v3", "--share", "experiments")
     assert out["run_id"].startswith("catalog-v3-")
-    assert out["input"]["share"] == "experiments" and out["input"]["training_queue"].endswith("job-queue/experiments")
+    assert out["input"]["share"] == "experiments" and "training_queue" not in out["input"]
 
 
 def test_start_takes_a_key_of_the_stages_data_bucket_from_the_storage_stack_output(world, capsys):
