@@ -63,7 +63,8 @@ _AMI_RE = re.compile(r"^ami-[0-9a-f]{8}([0-9a-f]{9})?$")
 NEURON_AMI_SSM_PARAMETER = "/aws/service/ecs/optimized-ami/amazon-linux-2023/neuron/recommended/image_id"
 PINNED_AMIS_FILE = Path(__file__).with_name("neuron_amis.json")
 _AZ_ID_RE = re.compile(r"^[a-z]{2,}[0-9]+-az[0-9]+$")
-# Zone IDs start with an abbreviation of their region: us-east-1 -> use1, ap-southeast-2 -> apse2.
+# Zone IDs start with an abbreviation of their region: us-east-1 -> use1, ap-southeast-2 -> apse2
+# (https://docs.aws.amazon.com/global-infrastructure/latest/regions/az-ids.html).
 _REGION_WORDS = {"north": "n", "south": "s", "east": "e", "west": "w", "central": "c", "northeast": "ne",
                  "southeast": "se", "northwest": "nw", "southwest": "sw", "gov": "g"}
 _AZ_ID_HOWTO = (
@@ -260,7 +261,8 @@ class ComputeConfig:
     On-Demand Trn instances quota (vCPUs, per region) must cover `training_vcpus_needed`."""
     training_capacity_reservation: CapacityReservation | None = None
     """Launch the training nodes into this reserved capacity (ODCR or Capacity Block); None = plain
-    On-Demand. trn1 capacity for a whole cluster placement group is rarely free on demand."""
+    On-Demand, where a launch can fail for insufficient capacity (the job then waits RUNNABLE until
+    runnable_timeout_minutes cancels it)."""
     single_node_instance_type: str = "trn1.2xlarge"
     single_node_max_instances: int = 4
     neuron_ami_ids: Mapping[str, str] = field(default_factory=dict)
