@@ -92,11 +92,14 @@ class ComputeStack(Stack):
             single_node_shared_memory_gib=cfg.single_node_shared_memory_gib,
             retry_attempts=cfg.retry_attempts,
             train_timeout=Duration.hours(cfg.train_attempt_timeout_hours),
-            compile_timeout=Duration.hours(3 * cfg.short_attempt_timeout_hours),
+            compile_timeout=Duration.hours(cfg.compile_attempt_timeout_hours),
             short_timeout=Duration.hours(cfg.short_attempt_timeout_hours),
             environment={
                 "PIPELINE_STAGE": config.name,
                 "NEURON_COMPILE_CACHE_URL_BASE": storage.cache_bucket.s3_url_for_object("neuron"),
+                # torchrun's rendezvous waits as long as a child node may take to start
+                # (training_image/entrypoint.sh); the same startup budget as the state timeouts.
+                "TORCHRUN_RDZV_TIMEOUT_SECONDS": str(config.pipeline.startup_minutes * 60),
                 **tracking_env,
             },
             log_retention=retention_days(cfg.log_retention_days),

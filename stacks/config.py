@@ -251,6 +251,13 @@ class ComputeConfig:
     with driver <= 2.26 (ECS AMIs 20251015..~2026-01 pinned 2.21)."""
     root_volume_gib: int = 200
     """gp3 root volume; the Neuron DLC alone is tens of GB and the ECS AMI default is 30 GB."""
+    root_volume_throughput_mibps: int = 1000
+    """gp3 throughput of the root volume (125..1000 MiB/s). Every node pulls and unpacks the
+    multi-GB training image onto it before its container starts, and child nodes start only
+    after the main node runs: at gp3's default 125 MiB/s the pull alone eats much of the startup
+    budget (PipelineConfig.startup_minutes). gp3 allows 0.25 MiB/s per provisioned IOPS."""
+    root_volume_iops: int = 4000
+    """gp3 IOPS of the root volume (3000..16000, >= 4 x throughput in MiB/s)."""
     shared_memory_gib: int = 64
     """/dev/shm of multi-node (training instance) containers: torchrun workers and the data loader
     exchange tensors through it; Docker's 64 MB default is far too small."""
@@ -264,8 +271,11 @@ class ComputeConfig:
     """Cancel jobs stuck RUNNABLE (no capacity, misconfigured CE) after this long."""
     retry_attempts: int = 3
     train_attempt_timeout_hours: int = 72
+    compile_attempt_timeout_hours: int = 12
     short_attempt_timeout_hours: int = 4
-    """sanity/validate/embed/canary attempt timeout; compile uses it x3."""
+    """Batch attempt timeouts (the job definitions'): train, compile, and the rest (sanity,
+    prepare, validate, embed, canary). Each pipeline state waits for all retry_attempts of its job,
+    so its timeout is derived from these (TrainingPipeline.state_timeout_minutes)."""
     log_retention_days: int = 365
 
     def __post_init__(self) -> None:
@@ -313,7 +323,17 @@ class ComputeConfig:
             )
         if not 1 <= self.retry_attempts <= 10:
             raise ValueError(f"ComputeConfig.retry_attempts={self.retry_attempts}: Batch accepts 1..10.")
-        if self.train_attempt_timeout_hours < 1 or self.short_attempt_timeout_hours < 1:
+        if not 125 <= self.root_volume_throughput_mibps <= 1000 or not 3000 <= self.root_volume_iops <= 16000:
+            raise ValueError(
+                f"ComputeConfig.root_volume_throughput_mibps={self.root_volume_throughput_mibps} / root_volume_iops="
+                f"{self.root_volume_iops}: gp3 takes 125..1000 MiB/s and 3000..16000 IOPS."
+            )
+        if self.root_volume_iops * 0.25 < self.root_volume_throughput_mibps:
+            raise ValueError(
+                f"ComputeConfig.root_volume_iops={self.root_volume_iops}: gp3 needs >= 4 IOPS per MiB/s of "
+                f"throughput; use >= {self.root_volume_throughput_mibps * 4} for {self.root_volume_throughput_mibps} MiB/s."
+            )
+        if min(self.train_attempt_timeout_hours, self.compile_attempt_timeout_hours, self.short_attempt_timeout_hours) < 1:
             raise ValueError("ComputeConfig attempt timeouts must be >= 1 hour.")
         for name, gib, inst in (
             ("shared_memory_gib", self.shared_memory_gib, spec),

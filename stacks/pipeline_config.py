@@ -57,17 +57,18 @@ class PipelineConfig:
     """Default number of embed shards (Batch array size, 2..10000) when the input has no
     `embed_shards`. Each child embeds catalog shard AWS_BATCH_JOB_ARRAY_INDEX of the size."""
 
-    # -- Timeouts (minutes) per state; a state over its budget fails into the failure path ----
-    prepare_timeout_minutes: int = 120
-    sanity_timeout_minutes: int = 30
-    compile_timeout_minutes: int = 180
-    train_timeout_minutes: int = 72 * 60
-    validate_timeout_minutes: int = 120
-    embed_timeout_minutes: int = 240
-    """Per-state TimeoutSeconds. Step Functions then stops the .sync task and terminates the Batch
-    job (the role holds batch:TerminateJob). Queue wait (RUNNABLE) counts against it too."""
+    # -- Startup bound (minutes): one value for every "the job has not started stepping yet" clock --
+    startup_minutes: int = 30
+    """Bound on a multi-node job's start, counted from the Batch RUNNING event of the job (the
+    main node's container is up): the child nodes boot, pull the training image, join torchrun's
+    rendezvous, and the first graphs load from the compile cache. One value drives three settings:
+    the torchrun rendezvous timeout of the multi-node job definitions (env
+    TORCHRUN_RDZV_TIMEOUT_SECONDS), the stall watchdog's grace period (no job is terminated for
+    missing heartbeats before it), and the startup share of every Batch state's timeout
+    (`state_timeout`). Must not exceed `stall_timeout_minutes`, so that a job whose heartbeat stops
+    is always terminated within stall_timeout + 5 minutes of its last heartbeat."""
 
-    # -- Retries of Batch API errors only (host/exit-code retries are the job definitions') ---
+    # -- Retries of Batch API errors only    # -- Retries of Batch API errors only (host/exit-code retries are the job definitions') ---
     retry_interval_seconds: int = 5
     retry_max_attempts: int = 6
     retry_backoff_rate: float = 2.0
@@ -140,10 +141,11 @@ class PipelineConfig:
                 f"PipelineConfig.embed_array_size={self.embed_array_size}: a Batch array job has 2..10000 "
                 "children; for a single shard raise it to 2 or embed in the validate step."
             )
-        for step in BATCH_STEPS:
-            minutes = self.timeout_minutes(step)
-            if minutes < 1:
-                raise ValueError(f"PipelineConfig.{step.lower()}_timeout_minutes={minutes}: must be >= 1.")
+        if not 5 <= self.startup_minutes <= 6 * 60:
+            raise ValueError(
+                f"PipelineConfig.startup_minutes={self.startup_minutes}: use 5..360; it must cover child-node "
+                "boot, image pull, rendezvous and the first (cached) graph load."
+            )
         if self.retry_interval_seconds < 1 or self.retry_max_attempts < 1:
             raise ValueError(
                 "PipelineConfig.retry_interval_seconds and retry_max_attempts must be >= 1 "
@@ -168,10 +170,12 @@ class PipelineConfig:
                 f"PipelineConfig.stall_timeout_minutes={self.stall_timeout_minutes}: use 5..1440; the heartbeat "
                 "is per step, so anything below the slowest step's duration kills healthy jobs."
             )
-        if self.stall_timeout_minutes >= self.train_timeout_minutes:
+        if self.startup_minutes > self.stall_timeout_minutes:
             raise ValueError(
-                "PipelineConfig.stall_timeout_minutes must be smaller than train_timeout_minutes, "
-                "otherwise the stall alarm can never fire before the state timeout."
+                f"PipelineConfig.startup_minutes={self.startup_minutes} exceeds stall_timeout_minutes="
+                f"{self.stall_timeout_minutes}: the watchdog arms at the startup bound, so a job whose heartbeat "
+                "stopped early would be terminated later than stall_timeout + 5 minutes. Raise "
+                "stall_timeout_minutes (the first step after startup can take that long too)."
             )
         if not self.incoming_prefix or not self.incoming_prefix.endswith("/") or self.incoming_prefix.startswith("/"):
             raise ValueError(
@@ -208,6 +212,16 @@ class PipelineConfig:
         """True when the stage runs its own SageMaker managed MLflow tracking server."""
         return self.mlflow_tracking == MLFLOW_MANAGED
 
-    def timeout_minutes(self, step: str) -> int:
-        """Timeout of a Batch state by its state name (one of BATCH_STEPS)."""
-        return int(getattr(self, f"{step.lower()}_timeout_minutes"))
+    def state_timeout_minutes(self, *, attempt_minutes: int, attempts: int, queue_wait_minutes: int) -> int:
+        """TimeoutSeconds (in minutes) of a Batch state that waits for every attempt of its job.
+
+        Batch retries a job inside the same SubmitJob (the .sync task sees only the final state),
+        and each attempt may wait RUNNABLE up to the queue's time limit, start (image pull,
+        `startup_minutes`) and then run up to its attempt timeout. So the state's budget is
+        attempts x (queue wait + startup + attempt timeout): a retry can always finish."""
+        if attempt_minutes < 1 or attempts < 1 or queue_wait_minutes < 0:
+            raise ValueError(
+                f"state_timeout_minutes: attempt_minutes={attempt_minutes}, attempts={attempts} must be >= 1 and "
+                f"queue_wait_minutes={queue_wait_minutes} >= 0; set the job definition's timeout and retry attempts."
+            )
+        return attempts * (queue_wait_minutes + self.startup_minutes + attempt_minutes)

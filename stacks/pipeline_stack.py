@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from aws_cdk import CfnOutput, Stack
+from aws_cdk import CfnOutput, Duration, Stack
 from aws_cdk import aws_batch as batch
 from aws_cdk import aws_s3 as s3
 from cdk_nag import NagSuppressions
@@ -30,16 +30,19 @@ class PipelineStack(Stack):
     def __init__(self, scope: Construct, construct_id: str, *, config: PipelineConfig, stage: str,
                  data_bucket: s3.IBucket, artifacts_bucket: s3.IBucket,
                  queues: Mapping[str, batch.IJobQueue], job_definitions: Mapping[str, batch.IJobDefinition],
-                 instance_types: Mapping[str, str], mlflow_tracking_server_arn: str | None = None,
-                 **kwargs: Any) -> None:
+                 instance_types: Mapping[str, str], max_nodes: int, queue_wait: Duration,
+                 mlflow_tracking_server_arn: str | None = None, **kwargs: Any) -> None:
         """`instance_types`: "training" / "single-node" -> EC2 instance type of the queues' compute
-        environments; with `mlflow_tracking_server_arn`, outputs for the operator CLI (pipeline_ops)."""
+        environments; `max_nodes`: the training compute environment's largest job (input check);
+        `queue_wait`: the queues' RUNNABLE time limit (part of every Batch state's timeout); with
+        `mlflow_tracking_server_arn`, outputs for the operator CLI (pipeline_ops)."""
         super().__init__(scope, construct_id, **kwargs)
         alerts = AlertTopic(self, "Alerts", notification_email=config.notification_email)
         self.topic = alerts.topic
         self.pipeline = TrainingPipeline(
-            self, "TrainingPipeline", config=config, artifacts_bucket=artifacts_bucket, queues=queues,
-            job_definitions=job_definitions, topic=alerts.topic, key=alerts.key)
+            self, "TrainingPipeline", config=config, artifacts_bucket=artifacts_bucket, data_bucket=data_bucket,
+            queues=queues, job_definitions=job_definitions, topic=alerts.topic, key=alerts.key,
+            max_nodes=max_nodes, queue_wait=queue_wait)
         self.trigger = RunTrigger(self, "Trigger", config=config, data_bucket=data_bucket,
                                   pipeline=self.pipeline.state_machine, key=alerts.key)
         self.watchdog = StallWatchdog(self, "StallWatchdog", config=config, stage=stage,
@@ -54,7 +57,7 @@ class PipelineStack(Stack):
             helpers={"Starter": self.trigger.starter, "StallWatchdog": self.watchdog.state_machine},
             rules={"NewData": self.trigger.rule, "TrainJobState": self.watchdog.rules[0],
                    "StallAlarm": self.watchdog.rules[1]},
-            job_log_group=job_events.log_group,
+            job_log_group=job_events.log_group, undelivered_notifications=self.pipeline.undelivered_metric,
             extra_alarms=[self.canary.alarm] if self.canary else [])
 
         CfnOutput(self, "StateMachineArn", value=self.pipeline.state_machine.state_machine_arn)
@@ -73,7 +76,8 @@ class PipelineStack(Stack):
     def _acknowledge(self) -> None:
         NagSuppressions.add_stack_suppressions(self, [
             {"id": "AwsSolutions-IAM5", "reason": (
-                "Wildcards are runtime-only ids: batch:DescribeJobs has no resource-level permissions and "
+                "Wildcards are runtime-only ids: batch:DescribeJobs and cloudwatch:GetMetricData have no "
+                "resource-level permissions and "
                 "batch:TerminateJob targets job/* (job ids exist only at run time); gate.json keys are "
                 "runs/*/validation/gate.json (run id = execution name); per-job stall alarms are "
                 "<stack>-TrainStalled/*; X-Ray and log-delivery actions are '*' by API design; KMS "

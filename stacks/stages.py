@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from aws_cdk import Environment, Stack, Tags
+from aws_cdk import Duration, Environment, Stack, Tags
 from constructs import Construct
 
 from stacks.compute_stack import ComputeStack
@@ -31,6 +31,7 @@ def build_stage(scope: Construct, cfg: StageConfig, *, image_uri: str | None = N
         artifacts_bucket=storage.artifacts_bucket, queues=compute.queues, job_definitions=compute.job_definitions,
         instance_types={"training": cfg.compute.training_instance_type,
                         "single-node": cfg.compute.single_node_instance_type},
+        max_nodes=cfg.compute.max_nodes, queue_wait=Duration.minutes(cfg.compute.runnable_timeout_minutes),
         mlflow_tracking_server_arn=compute.mlflow.tracking_server_arn if compute.mlflow else None,
         env=env, description=f"{prefix}: training pipeline state machine, new-data trigger, canary, alarms, dashboard")
     for stack in stacks.values():

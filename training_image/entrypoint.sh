@@ -5,6 +5,7 @@
 #
 # Exports, on every node (CONTRACTS.md):
 #   TORCHRUN_ARGS="--nnodes N --node_rank I --nproc_per_node P --master_addr A --master_port 29500"
+#                  [+ " --rdzv_conf timeout=T" when TORCHRUN_RDZV_TIMEOUT_SECONDS=T is set]
 #   NEURON_RT_ROOT_COMM_ID=A:<NEURON_RT_ROOT_COMM_PORT, default 46820>
 # with N = AWS_BATCH_JOB_NUM_NODES, I = AWS_BATCH_JOB_NODE_INDEX, P = NPROC_PER_NODE (set by the
 # job definition from the instance table), A = AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS on child
@@ -88,7 +89,16 @@ else
   master_addr="127.0.0.1"
 fi
 
-export TORCHRUN_ARGS="--nnodes ${nnodes} --node_rank ${node_rank} --nproc_per_node ${nproc} --master_addr ${master_addr} --master_port ${MASTER_PORT}"
+TORCHRUN_ARGS="--nnodes ${nnodes} --node_rank ${node_rank} --nproc_per_node ${nproc} --master_addr ${master_addr} --master_port ${MASTER_PORT}"
+# Rendezvous bound: the main node starts first, and torchrun's static rendezvous waits 600 s by
+# default for the others, less than a child node needs to boot and pull the image. The job
+# definitions set the bound from the stage's startup budget (PipelineConfig.startup_minutes).
+rdzv_timeout="${TORCHRUN_RDZV_TIMEOUT_SECONDS:-}"
+if [ -n "$rdzv_timeout" ]; then
+  [[ "$rdzv_timeout" =~ ^[1-9][0-9]*$ ]] || die "TORCHRUN_RDZV_TIMEOUT_SECONDS='${rdzv_timeout}' must be a positive integer (seconds)"
+  TORCHRUN_ARGS="${TORCHRUN_ARGS} --rdzv_conf timeout=${rdzv_timeout}"
+fi
+export TORCHRUN_ARGS
 export NEURON_RT_ROOT_COMM_ID="${master_addr}:${NEURON_RT_ROOT_COMM_PORT:-46820}"
 if [ -z "${PIPELINE_RUN_ID:-}" ] && [ -n "$run_dir" ]; then
   PIPELINE_RUN_ID="$(basename "$run_dir")"

@@ -7,7 +7,8 @@
   carries the security group instead.
 - Optional reserved capacity (an On-Demand Capacity Reservation or Capacity Block by id, or a
   reservation group) for the training nodes: stacks/config.py CapacityReservation.
-- >= 200 GB gp3 encrypted root volume, IMDSv2 required (hop limit 1: containers get credentials
+- >= 200 GB gp3 encrypted root volume with provisioned throughput/IOPS (the image pull onto it is
+  on every node's startup path), IMDSv2 required (hop limit 1: containers get credentials
   from the ECS task-role endpoint, never from the instance role), terminate on shutdown so the
   fail-fast checks below remove a bad host instead of leaving it stopped.
 - MIME multi-part user data (Batch requires it in launch templates) that fails fast on a Neuron
@@ -119,6 +120,8 @@ class EfaLaunchTemplate(Construct):
         spec: InstanceSpec,
         security_group: ec2.ISecurityGroup,
         root_volume_gib: int,
+        root_volume_throughput_mibps: int,
+        root_volume_iops: int,
         min_driver: str,
         fsx_dns_name: str,
         fsx_mount_name: str,
@@ -136,7 +139,8 @@ class EfaLaunchTemplate(Construct):
                 ec2.BlockDevice(
                     device_name="/dev/xvda",  # root device of the AL2023 ECS AMIs
                     volume=ec2.BlockDeviceVolume.ebs(
-                        root_volume_gib, volume_type=ec2.EbsDeviceVolumeType.GP3, encrypted=True, delete_on_termination=True
+                        root_volume_gib, volume_type=ec2.EbsDeviceVolumeType.GP3, encrypted=True, delete_on_termination=True,
+                        iops=root_volume_iops, throughput=root_volume_throughput_mibps,
                     ),
                 )
             ],

@@ -147,7 +147,8 @@ class TrainiumCompute(Construct):
         prefix = "".join(part.capitalize() for part in key.split("-"))
         template = EfaLaunchTemplate(
             self, f"{prefix}LaunchTemplate", spec=spec, security_group=node_security_group,
-            root_volume_gib=config.root_volume_gib, min_driver=config.min_neuron_driver_version,
+            root_volume_gib=config.root_volume_gib, root_volume_throughput_mibps=config.root_volume_throughput_mibps,
+            root_volume_iops=config.root_volume_iops, min_driver=config.min_neuron_driver_version,
             fsx_dns_name=fsx_dns_name, fsx_mount_name=fsx_mount_name, capacity_reservation=capacity_reservation,
         )
         has_interfaces = bool(template.interfaces)

@@ -9,8 +9,11 @@ No Lambda.
     rule (Object Created, key prefix incoming/, suffix /_SUCCESS)
       -> Starter: ParseKey -> CheckKeyDepth -> StartPipeline(Name = "<dataset>-<version>")
            ExecutionAlreadyExists -> AlreadyStarted (success: a duplicate event is a no-op)
-           InvalidName (too long / a character Step Functions forbids)
-             -> StartPipelineHashedName(Name = "upload-" + MD5("<dataset>/<version>"))
+           any other refusal (InvalidName: a forbidden character; a name over 80 characters, which
+           the API's length constraint rejects before InvalidName; ...)
+             -> StartPipelineHashedName(Name = "upload-" + MD5("<dataset>/<version>"), always valid)
+           throttling: both starts retry with backoff (well inside the Express 5-minute limit),
+           so an upload is never lost to a busy API.
 Execution input: {"dataset", "version", "data_uri": "/fsx/data/<key dir>", "data_s3_uri", "source_key"}.
 """
 
@@ -23,10 +26,17 @@ from aws_cdk import aws_s3 as s3
 from aws_cdk import aws_stepfunctions as sfn
 from constructs import Construct
 
+from aws_cdk import Duration
+
 from stacks.constructs.monitoring import encrypted_log_group, express_state_machine
 from stacks.pipeline_config import PipelineConfig
 
 FSX_DATA_ROOT = "/fsx/data"  # the data bucket's FSx data repository association path
+# Transient StartExecution failures: throttling (https://docs.aws.amazon.com/step-functions/latest/apireference/CommonErrors.html),
+# reported as StepFunctions.ThrottlingException, or as StepFunctions.SfnException when the SDK's
+# model has no class for the error code; client-side faults; timeouts.
+START_RETRY_ERRORS = ("StepFunctions.ThrottlingException", "StepFunctions.SfnException",
+                      "StepFunctions.SdkClientException", "States.Timeout")
 
 
 def execution_name(dataset: str, version: str) -> str:
@@ -74,7 +84,8 @@ class RunTrigger(Construct):
         start_hashed.add_catch(already, errors=["StepFunctions.ExecutionAlreadyExistsException"], result_path="$.error")
         start = self._start("StartPipeline", pipeline, execution_input, "States.Format('{}-{}', $.dataset, $.version)")
         start.add_catch(already, errors=["StepFunctions.ExecutionAlreadyExistsException"], result_path="$.error")
-        start.add_catch(start_hashed, errors=["StepFunctions.InvalidNameException"], result_path="$.error")
+        # Whatever else refuses the readable name, the hashed one is valid by construction.
+        start.add_catch(start_hashed, errors=["States.ALL"], result_path="$.error")
         started = sfn.Succeed(self, "Started")
         start.next(started)
         start_hashed.next(started)
@@ -108,7 +119,7 @@ class RunTrigger(Construct):
         )
 
     def _start(self, name: str, pipeline: sfn.IStateMachine, execution_input: dict, name_expr: str) -> sfn.CustomState:
-        return sfn.CustomState(self, name, state_json={
+        state = sfn.CustomState(self, name, state_json={
             "Type": "Task",
             "Resource": "arn:aws:states:::states:startExecution",
             "Parameters": {
@@ -117,4 +128,9 @@ class RunTrigger(Construct):
                 "Input": execution_input,
             },
             "ResultPath": "$.started",
+            "TimeoutSeconds": 30,
         })
+        # At most 1+2+4+8+16+16 s of backoff per start: both starts fit the Express 5-minute limit.
+        state.add_retry(errors=list(START_RETRY_ERRORS), interval=Duration.seconds(1), max_attempts=6,
+                        backoff_rate=2.0, max_delay=Duration.seconds(16), jitter_strategy=sfn.JitterType.FULL)
+        return state

@@ -4,7 +4,7 @@ Known gap (DESIGN.md section 4), checked against moto 5.2.5: the Step Functions 
 `batch:submitJob.sync`, but `StateTaskServiceBatch._normalise_parameters/_normalise_response` are
 the base-class no-ops, so Step Functions-cased parameters (`JobName`, ...) reach botocore
 unconverted and the response is not converted back (`JobId`). The aws-sdk integration has the
-same no-op response hook, so an S3 GetObject `Body` stays a stream, and the `states:startExecution`
+same no-op hooks, so an S3 GetObject `Body` stays a stream and batch:describeJobs gets `Jobs`, and the `states:startExecution`
 integration stops after serialising `Input` (`StateMachineArn` reaches botocore as is). We fill those hooks with the
 conversions moto's base class already implements (`_to_boto_request` / `_from_boto_response`
 against the botocore operation shapes). Moto also silently drops SubmitJob fields it does not
@@ -18,23 +18,35 @@ Test hooks on the returned `BatchHooks`:
 - `submitted`: every SubmitJob request as botocore received it (camelCase keys).
 - `fail_job_definitions`: job definition names whose jobs end FAILED (moto's batch_simple marks all
   jobs SUCCEEDED unless MOTO_SIMPLE_BATCH_FAIL_AFTER is set; we set it per job).
+- `running_job_definitions`: job definition names whose jobs stay RUNNING (the stall watchdog's
+  subjects; TerminateJob then ends them FAILED, as on AWS).
 - `throttle_submits`: the next N SubmitJob calls raise TooManyRequestsException.
-Remove this module when moto fills the hooks itself.
+- `throttle_start_executions`: the next N states:startExecution calls raise ThrottlingException
+  (and names the API refuses are refused in the integration too).
+- `fail_sns_subjects`: sns:publish tasks whose Subject contains one of these fail (InternalError);
+  `sns_attempts` counts the attempts per listed subject.
+- `before_put_current`: callables run (once each) just before the next aws-sdk s3:putObject of
+  models/current.json: another run's publish landing between our read and our write.
+- `instant_waits`: Wait states return at once (moto sleeps for real) and `waits` records the
+  seconds each asked for; what a test checks is the state order and the waited duration.
+Remove the Batch part when moto fills the hooks itself.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib.metadata import version
-from typing import Iterator
+from typing import Callable, Iterator
 from unittest import mock
 
 import boto3
 from botocore.exceptions import ClientError
 from moto.batch_simple.models import BatchSimpleBackend
+from moto.stepfunctions.models import StepFunctionBackend
 from moto.stepfunctions.parser.asl.component.state.exec.state_task.service import (
     state_task_service_aws_sdk as aws_sdk_module,
 )
@@ -44,6 +56,11 @@ from moto.stepfunctions.parser.asl.component.state.exec.state_task.service impor
 from moto.stepfunctions.parser.asl.component.state.exec.state_task.service import (
     state_task_service_sfn as sfn_module,
 )
+from moto.stepfunctions.parser.asl.component.state.exec.state_task.service import (
+    state_task_service_sns as sns_module,
+)
+from moto.stepfunctions.parser.asl.component.state.wait.wait_function.wait_function import WaitFunction
+from moto.stepfunctions.parser.backend.execution_worker import ExecutionWorker
 
 PATCHED_FOR_MOTO = "5.2.5"
 
@@ -52,8 +69,30 @@ PATCHED_FOR_MOTO = "5.2.5"
 class BatchHooks:
     submitted: list[dict] = field(default_factory=list)
     fail_job_definitions: set[str] = field(default_factory=set)
+    running_job_definitions: set[str] = field(default_factory=set)
     throttle_submits: int = 0
     throttled: int = 0
+    throttle_start_executions: int = 0
+    fail_sns_subjects: set[str] = field(default_factory=set)
+    sns_attempts: dict[str, int] = field(default_factory=dict)
+    before_put_current: list[Callable[[], None]] = field(default_factory=list)
+    instant_waits: bool = False
+    waits: list[int] = field(default_factory=list)
+
+
+def _iso_timestamps(value) -> None:
+    """In place: datetimes in a response -> ISO 8601 strings, as Step Functions returns them."""
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in list(items):
+        if isinstance(item, datetime.datetime):
+            value[key] = item.astimezone(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+        else:
+            _iso_timestamps(item)
+
+
+def _client_error(code: str, status: int, operation: str) -> ClientError:
+    return ClientError({"Error": {"Code": code, "Message": code},
+                        "ResponseMetadata": {"HTTPStatusCode": status, "RequestId": "test-hook"}}, operation)
 
 
 def _pascal(name: str) -> str:
@@ -98,23 +137,88 @@ def patched_moto_batch() -> Iterator[BatchHooks]:
     original_finish = BatchSimpleBackend._mark_job_as_finished
 
     def mark_job_as_finished(self, include_start_attempt, job):
+        if job.job_definition.name in hooks.running_job_definitions:
+            self.backend._jobs[job.job_id] = job
+            job.job_started_at = datetime.datetime.now()
+            job._start_attempt()
+            job.status = "RUNNING"
+            return
         fail = job.job_definition.name in hooks.fail_job_definitions
         with mock.patch.dict(os.environ, {"MOTO_SIMPLE_BATCH_FAIL_AFTER": "0"} if fail else {}):
             if not fail:
                 os.environ.pop("MOTO_SIMPLE_BATCH_FAIL_AFTER", None)
             original_finish(self, include_start_attempt, job)
 
-    sdk_original_response = sdk_cls._normalise_response
+    def sdk_normalise_parameters(self, parameters, boto_service_name=None, service_action_name=None):
+        # Only Batch's botocore names differ (jobs, jobId); S3/CloudWatch names are already the
+        # SDK's, and converting would re-encode the S3 Body blob.
+        if self._get_boto_service_name(boto_service_name) == "batch":
+            normalise_parameters(self, parameters, boto_service_name, service_action_name)
 
     def sdk_normalise_response(self, response, boto_service_name=None, service_action_name=None):
-        # Only the stream -> string part matters here (GetObject Body); keys are already PascalCase.
+        # Streams -> strings (GetObject Body), botocore's member names -> the SDK integration's
+        # (describeJobs: jobs/status -> Jobs/Status), timestamps -> ISO 8601 strings.
         if isinstance(response, dict):
             for key, value in list(response.items()):
                 response[key] = self._from_boto_response_value(value)
-        return sdk_original_response(self, response, boto_service_name, service_action_name)
+        normalise_response(self, response, boto_service_name, service_action_name)
+        _iso_timestamps(response)
+
+    sdk_original_eval = sdk_cls._eval_service_task
+
+    def sdk_eval_service_task(self, env, resource_runtime_part, normalised_parameters, state_credentials):
+        if self._get_boto_service_action() == "put_object" and normalised_parameters.get("Key") == "models/current.json":
+            while hooks.before_put_current:
+                hooks.before_put_current.pop(0)()
+        return sdk_original_eval(self, env, resource_runtime_part, normalised_parameters, state_credentials)
+
+    sns_cls = sns_module.StateTaskServiceSns
+    sns_original_eval = sns_cls._eval_service_task
+
+    def sns_eval_service_task(self, env, resource_runtime_part, normalised_parameters, state_credentials):
+        for subject in hooks.fail_sns_subjects:
+            if subject in normalised_parameters.get("Subject", ""):
+                hooks.sns_attempts[subject] = hooks.sns_attempts.get(subject, 0) + 1
+                raise _client_error("InternalError", 500, "Publish")
+        return sns_original_eval(self, env, resource_runtime_part, normalised_parameters, state_credentials)
+
+    original_environment = ExecutionWorker._get_evaluation_environment
+
+    def evaluation_environment(self):
+        # $$.Execution.StartTime is an ISO 8601 string on AWS; moto leaves a datetime there,
+        # which no intrinsic function can serialise.
+        env = original_environment(self)
+        execution = env.states.context_object.context_object_data["Execution"]
+        if hasattr(execution["StartTime"], "isoformat"):
+            execution["StartTime"] = execution["StartTime"].astimezone(datetime.timezone.utc).strftime(
+                "%Y-%m-%dT%H:%M:%S.%fZ")
+        return env
+
+    original_wait_interval = WaitFunction._wait_interval
+
+    def wait_interval(self, env, wait_seconds):
+        if not hooks.instant_waits:
+            return original_wait_interval(self, env, wait_seconds)
+        hooks.waits.append(wait_seconds)
 
     sfn_cls = sfn_module.StateTaskServiceSfn
     sfn_original_parameters = sfn_cls._normalise_parameters
+    sfn_original_eval = sfn_cls._eval_service_task
+
+    def sfn_eval_service_task(self, env, resource_runtime_part, normalised_parameters, state_credentials):
+        if hooks.throttle_start_executions > 0:
+            hooks.throttle_start_executions -= 1
+            # moto names the task error "StepFunctions.<code>Exception"
+            raise _client_error("Throttling", 400, "StartExecution")
+        # moto's StartExecution API checks names, its Step Functions integration does not: apply
+        # the same rules (StepFunctionBackend._validate_name) as the service's API would.
+        name = normalised_parameters.get("name", "")
+        if len(name) > 80:
+            raise _client_error("ValidationException", 400, "StartExecution")
+        if any(c in name for c in [*StepFunctionBackend.invalid_chars_for_name,
+                                   *StepFunctionBackend.invalid_unicodes_for_name]):
+            raise _client_error("InvalidName", 400, "StartExecution")
+        return sfn_original_eval(self, env, resource_runtime_part, normalised_parameters, state_credentials)
 
     def sfn_normalise_parameters(self, parameters, boto_service_name=None, service_action_name=None):
         sfn_original_parameters(self, parameters, boto_service_name, service_action_name)  # Input -> JSON
@@ -136,6 +240,12 @@ def patched_moto_batch() -> Iterator[BatchHooks]:
             mock.patch.object(service_cls, "_normalise_response", normalise_response), \
             mock.patch.object(service_cls, "_eval_service_task", eval_service_task), \
             mock.patch.object(sdk_cls, "_normalise_response", sdk_normalise_response), \
+            mock.patch.object(sdk_cls, "_normalise_parameters", sdk_normalise_parameters), \
+            mock.patch.object(sdk_cls, "_eval_service_task", sdk_eval_service_task), \
+            mock.patch.object(sns_cls, "_eval_service_task", sns_eval_service_task), \
+            mock.patch.object(sfn_cls, "_eval_service_task", sfn_eval_service_task), \
+            mock.patch.object(WaitFunction, "_wait_interval", wait_interval), \
+            mock.patch.object(ExecutionWorker, "_get_evaluation_environment", evaluation_environment), \
             mock.patch.object(sfn_cls, "_normalise_parameters", sfn_normalise_parameters), \
             mock.patch.object(sfn_cls, "_normalise_response", sfn_normalise_response), \
             mock.patch.object(BatchSimpleBackend, "_mark_job_as_finished", mark_job_as_finished), \

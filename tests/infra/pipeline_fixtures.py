@@ -8,7 +8,7 @@ import functools
 import json
 from dataclasses import dataclass
 
-from aws_cdk import App, Environment, Size, Stack
+from aws_cdk import App, Duration, Environment, Size, Stack
 from aws_cdk import aws_batch as batch
 from aws_cdk import aws_ecs as ecs
 from aws_cdk import aws_kms as kms
@@ -21,6 +21,10 @@ from stacks.pipeline_stack import PipelineStack
 ENV = Environment(account="123456789012", region="us-east-1")
 IMAGE = "public.ecr.aws/neuron/pytorch-training-neuronx:2.9.0-neuronx-py312-sdk2.30.0-ubuntu24.04"
 JOB_DEFINITIONS = ("prepare", "sanity", "compile", "train", "validate", "embed", "canary")
+# Attempt timeouts like the compute stack's defaults (train 72 h, compile 12 h, the rest 4 h).
+ATTEMPT_HOURS = {"train": 72, "compile": 12}
+MAX_NODES = 4
+QUEUE_WAIT = Duration.minutes(240)
 
 
 class StandInDependencies(Stack):
@@ -42,7 +46,8 @@ class StandInDependencies(Stack):
         image = ecs.ContainerImage.from_registry(IMAGE)
         self.job_definitions = {
             name: batch.EcsJobDefinition(self, f"Job-{name}", container=batch.EcsEc2ContainerDefinition(
-                self, f"Container-{name}", image=image, cpu=1, memory=Size.gibibytes(2)))
+                self, f"Container-{name}", image=image, cpu=1, memory=Size.gibibytes(2)),
+                timeout=Duration.hours(ATTEMPT_HOURS.get(name, 4)), retry_attempts=3)
             for name in JOB_DEFINITIONS}
 
 
@@ -52,7 +57,8 @@ def build(config: PipelineConfig | None = None) -> tuple[PipelineStack, StandInD
     stack = PipelineStack(app, "Pipeline", config=config or PipelineConfig(), stage="dev",
                           data_bucket=deps.data_bucket, artifacts_bucket=deps.artifacts_bucket,
                           queues=deps.queues, job_definitions=deps.job_definitions,
-                          instance_types={"training": "trn1.32xlarge", "single-node": "trn1.2xlarge"}, env=ENV)
+                          instance_types={"training": "trn1.32xlarge", "single-node": "trn1.2xlarge"},
+                          max_nodes=MAX_NODES, queue_wait=QUEUE_WAIT, env=ENV)
     return stack, deps
 
 

@@ -3,29 +3,50 @@ Batch integration patch). Jobs run against mocked Batch queues/job definitions, 
 
 from __future__ import annotations
 
+import datetime
+import hashlib
 import json
 import time
+
+from unittest import mock
 
 import boto3
 import pytest
 from moto import mock_aws
+from moto.batch import batch_backends
+from moto.stepfunctions.parser.asl.component.state.exec.state_task.service import (
+    state_task_service_callback as callback_module,
+)
 
 from moto_batch import patched_moto_batch
-from pipeline_fixtures import ENV, JOB_DEFINITIONS, synthesized
+from pipeline_fixtures import ENV, JOB_DEFINITIONS, TEST_CONFIG, synthesized
 
 REGION = ENV.region
 ARTIFACTS = "artifacts-bucket"
 DATA = "data-bucket"
 ROLE = f"arn:aws:iam::{ENV.account}:role/sfn"
-HAPPY_PATH = ["Defaults", "ApplyDefaults", "CheckShare", "InitFromGiven", "ReadCurrentModel", "TrainFromScratch", "ApplyBaseline",
-              "Prepare", "Sanity", "Compile", "Train", "Validate", "ReadGate", "GatePassed", "Embed",
-              "PointerRecord", "Publish", "NotifyPublished", "Done"]
+INPUT_CHECKS = ["PrepareInputChecks", "Check_dataset", "Check_version", "Check_data_uri", "Check_init_from",
+                "Check_num_nodes", "Check_embed_shards", "Check_priority", "Check_share",
+                "InputValid", "LocateData", "DataDepth", "DataPrefix_3", "ListData", "DataFound"]
+HAPPY_PATH = ["Defaults", "ApplyDefaults", *INPUT_CHECKS, "ReadCurrentModel", "NoProductionModel", "ApplyBaseline",
+              "Prepare", "Sanity", "Compile", "Train", "Validate", "ReadGate", "GateReportValid", "GatePassed", "Embed",
+              "ReadPublishedModel", "PointerRecord", "Publish", "NotifyPublished", "Done"]
+# Uploads the data bucket holds in every test (the runs' data_uri must exist).
+UPLOADS = ("catalog/v1", "catalog/v2", "catalog/v3")
+
+
+def data(upload: str = "catalog/v1", **extra) -> dict:
+    """An execution input for one of UPLOADS."""
+    dataset, version = upload.split("/")
+    return {"dataset": dataset, "version": version, "data_uri": f"/fsx/data/incoming/{upload}", **extra}
 
 
 @pytest.fixture
 def aws():
     with mock_aws(config={"stepfunctions": {"execute_state_machine": True}, "batch": {"use_docker": False}}), \
-            patched_moto_batch() as hooks:
+            patched_moto_batch() as hooks, \
+            mock.patch.object(callback_module, "_DELAY_SECONDS_SYNC_CONDITION_CHECK", 0.05):  # faster .sync polls
+        hooks.instant_waits = True  # the watchdog's startup Wait
         yield _World(hooks)
 
 
@@ -46,6 +67,9 @@ class _World:
             self.s3.create_bucket(Bucket=bucket)
             lid = syn.logical_id(construct)
             values[lid], values[f"{lid}.Arn"] = bucket, f"arn:aws:s3:::{bucket}"
+        for upload in UPLOADS:
+            self.s3.put_object(Bucket=DATA, Key=f"incoming/{upload}/pairs/part-0.jsonl", Body=b"{}")
+            self.s3.put_object(Bucket=DATA, Key=f"incoming/{upload}/_SUCCESS", Body=b"")
         boto3.client("iam", region_name=REGION).create_role(RoleName="batch", AssumeRolePolicyDocument="{}")
         ce = self.batch.create_compute_environment(computeEnvironmentName="pipeline-ce", type="UNMANAGED",
             serviceRole=f"arn:aws:iam::{ENV.account}:role/batch")["computeEnvironmentArn"]
@@ -74,6 +98,11 @@ class _World:
         self.starter_arn = self.sfn.create_state_machine(
             name="starter", roleArn=ROLE,
             definition=json.dumps(syn.definition("TriggerStarter", values)))["stateMachineArn"]
+        self.watchdog_arn = self.sfn.create_state_machine(
+            name="watchdog", roleArn=ROLE,
+            definition=json.dumps(syn.definition("StallWatchdog", values)))["stateMachineArn"]
+        self.alarm_prefix = syn.stack.watchdog.alarm_prefix
+        self.cloudwatch = boto3.client("cloudwatch", region_name=REGION)
 
     def run(self, machine_arn: str, name: str, payload: dict, timeout: float = 60.0) -> tuple[dict, list[str]]:
         arn = self.sfn.start_execution(stateMachineArn=machine_arn, name=name, input=json.dumps(payload))["executionArn"]
@@ -89,6 +118,15 @@ class _World:
         self.s3.put_object(Bucket=ARTIFACTS, Key=f"runs/{run_id}/validation/gate.json",
                            Body=json.dumps({"passed": passed, "metrics": {"recall@10": 0.5}}))
 
+    def put_current_model(self, run_id: str, version: str, dataset: str = "catalog") -> None:
+        """A published pointer as Publish writes it (another run's)."""
+        self.s3.put_object(Bucket=ARTIFACTS, Key="models/current.json", Body=json.dumps({
+            "run_id": run_id, "checkpoint": f"/fsx/runs/{run_id}", "metrics": {"recall@10": 0.4},
+            "dataset": dataset, "data_version": version, "started_at": "2026-01-01T00:00:00Z"}))
+
+    def current_model(self) -> dict:
+        return json.loads(self.s3.get_object(Bucket=ARTIFACTS, Key="models/current.json")["Body"].read())
+
     def notifications(self) -> list[str]:
         out = self._sqs.receive_message(QueueUrl=self._queue_url, MaxNumberOfMessages=10).get("Messages", [])
         return [m["Body"] for m in out]
@@ -96,10 +134,10 @@ class _World:
 
 def test_happy_path_visits_every_state_in_order_and_publishes(aws):
     aws.put_gate("run-1", passed=True)
-    desc, visited = aws.run(aws.pipeline_arn, "run-1", {"dataset": "catalog", "version": "v1", "data_uri": "/fsx/data/x"})
+    desc, visited = aws.run(aws.pipeline_arn, "run-1", data())
     assert desc["status"] == "SUCCEEDED", desc
     assert visited == HAPPY_PATH
-    pointer = json.loads(aws.s3.get_object(Bucket=ARTIFACTS, Key="models/current.json")["Body"].read())
+    pointer = aws.current_model()
     assert pointer["run_id"] == "run-1" and pointer["checkpoint"] == "/fsx/runs/run-1"
     assert pointer["data_version"] == "v1" and pointer["metrics"] == {"recall@10": 0.5}
     assert pointer["checkpoint_s3_uri"] == f"s3://{ARTIFACTS}/runs/run-1/checkpoints/"
@@ -108,7 +146,8 @@ def test_happy_path_visits_every_state_in_order_and_publishes(aws):
     assert steps == ["prepare", "sanity", "compile", "train", "validate", "embed"]
     for submit in aws.hooks.submitted:
         assert submit["shareIdentifier"] == "production" and submit["schedulingPriorityOverride"] == 50
-        assert submit["parameters"]["run_id"] == "run-1" and submit["parameters"]["data_uri"] == "/fsx/data/x"
+        assert submit["parameters"]["run_id"] == "run-1"
+        assert submit["parameters"]["data_uri"] == "/fsx/data/incoming/catalog/v1"
         assert submit["parameters"]["init_from"] == ""
     by_name = {s["jobName"]: s for s in aws.hooks.submitted}
     for multi in ("sanity", "compile", "train"):
@@ -119,13 +158,12 @@ def test_happy_path_visits_every_state_in_order_and_publishes(aws):
 
 
 def test_input_overrides_defaults_and_current_model_is_the_default_start(aws):
-    aws.s3.put_object(Bucket=ARTIFACTS, Key="models/current.json",
-                      Body=json.dumps({"run_id": "old", "checkpoint": "/fsx/runs/old"}))
+    aws.put_current_model("old", "v1")
     aws.put_gate("run-2", passed=True)
-    desc, visited = aws.run(aws.pipeline_arn, "run-2", {"num_nodes": 4, "share": "experiments", "priority": 7,
-                                                        "embed_shards": 3})
+    desc, visited = aws.run(aws.pipeline_arn, "run-2", data("catalog/v2", num_nodes=4, share="experiments",
+                                                             priority=7, embed_shards=3))
     assert desc["status"] == "SUCCEEDED", desc
-    assert "UseCurrentModel" in visited and "TrainFromScratch" not in visited
+    assert "UseCurrentModel" in visited and "NoProductionModel" not in visited
     by_name = {s["jobName"]: s for s in aws.hooks.submitted}
     assert by_name["train"]["parameters"]["init_from"] == "/fsx/runs/old"
     assert by_name["validate"]["parameters"]["previous_metrics"] == "/fsx/runs/old/validation/metrics.json"
@@ -137,15 +175,29 @@ def test_input_overrides_defaults_and_current_model_is_the_default_start(aws):
 
 def test_a_share_the_policy_does_not_define_fails_before_any_job(aws):
     # Batch would run it with the default weight: the fair share would decide nothing.
-    desc, visited = aws.run(aws.pipeline_arn, "run-share", {"share": "research"})
+    desc, visited = aws.run(aws.pipeline_arn, "run-share", data(share="research"))
     assert desc["status"] == "FAILED", desc
-    assert visited[-2:] == ["CheckShare", "UnknownShare"]
+    assert "Invalid_share" in visited and "InvalidInput" in visited
     assert not aws.hooks.submitted
+
+
+def test_incremental_run_from_a_given_model_is_gated_against_production(aws):
+    # trainium-runs start --base-model sends init_from: it decides where training starts, never the
+    # baseline, so a run from any model is compared with the production metrics.
+    aws.put_current_model("prod-run", "v1")
+    aws.put_gate("run-inc", passed=True)
+    desc, visited = aws.run(aws.pipeline_arn, "run-inc", data("catalog/v2", init_from="/fsx/runs/some-experiment",
+                                                               previous_metrics=""))
+    assert desc["status"] == "SUCCEEDED", desc
+    assert "ReadCurrentModel" in visited
+    by_name = {s["jobName"]: s for s in aws.hooks.submitted}
+    assert by_name["train"]["parameters"]["init_from"] == "/fsx/runs/some-experiment"
+    assert by_name["validate"]["parameters"]["previous_metrics"] == "/fsx/runs/prod-run/validation/metrics.json"
 
 
 def test_failing_train_job_takes_the_failure_path_and_notifies(aws):
     aws.hooks.fail_job_definitions.add("train")
-    desc, visited = aws.run(aws.pipeline_arn, "run-3", {"init_from": "/fsx/runs/x"})
+    desc, visited = aws.run(aws.pipeline_arn, "run-3", data(init_from="/fsx/runs/x"))
     assert desc["status"] == "FAILED"
     assert visited[-3:] == ["Train", "NotifyFailure", "Failed"]
     assert "Validate" not in visited
@@ -155,7 +207,7 @@ def test_failing_train_job_takes_the_failure_path_and_notifies(aws):
 
 def test_failing_gate_skips_embed_and_publish(aws):
     aws.put_gate("run-4", passed=False)
-    desc, visited = aws.run(aws.pipeline_arn, "run-4", {})
+    desc, visited = aws.run(aws.pipeline_arn, "run-4", data())
     assert desc["status"] == "SUCCEEDED"
     assert visited[-3:] == ["GatePassed", "NotifyGateFailed", "ModelRejected"]
     assert "Embed" not in visited and "Publish" not in visited
@@ -167,10 +219,129 @@ def test_failing_gate_skips_embed_and_publish(aws):
 def test_throttled_submit_is_retried(aws):
     aws.put_gate("run-5", passed=True)
     aws.hooks.throttle_submits = 2
-    desc, visited = aws.run(aws.pipeline_arn, "run-5", {})
+    desc, visited = aws.run(aws.pipeline_arn, "run-5", data())
     assert desc["status"] == "SUCCEEDED", desc
     assert aws.hooks.throttled == 2
     assert visited == HAPPY_PATH  # a retry stays inside the state: no extra state entered
+
+
+# ---- input checks: before any Batch job, one notification that says what to fix --------------
+def test_empty_input_fails_before_any_job_with_one_notification_listing_the_fixes(aws):
+    desc, visited = aws.run(aws.pipeline_arn, "run-empty", {})
+    assert desc["status"] == "FAILED"
+    assert aws.hooks.submitted == []
+    assert visited[-3:] == ["InvalidInput", "NotifyFailure", "Failed"]
+    (message,) = aws.notifications()
+    assert "run-empty" in message and "version: the data version" in message
+    assert "data_uri: the upload directory /fsx/data/incoming/<dataset>/<version>" in message
+    assert "num_nodes" not in message  # defaults are valid
+
+
+@pytest.mark.parametrize("bad, fixes", [
+    ({"dataset": "a/b", "num_nodes": 2.5, "embed_shards": "3", "priority": None, "share": "nobody",
+      "init_from": "s3://bucket/run", "data_uri": "/data/x"},
+     ["dataset: a non-empty name", "num_nodes: an integer 1..4", "embed_shards: an integer 2..10000",
+      "priority: an integer 0..9999", "share: one of the fair-share identifiers of the training queue",
+      "init_from: a run directory", "data_uri: the upload directory"]),
+    ({"num_nodes": 99, "embed_shards": 1, "priority": 10_000},
+     ["num_nodes: an integer 1..4", "embed_shards: an integer 2..10000", "priority: an integer 0..9999"]),
+])
+def test_every_bad_field_is_named_in_one_notification_before_any_job(aws, bad, fixes):
+    desc, visited = aws.run(aws.pipeline_arn, "run-bad", data(**bad))
+    assert desc["status"] == "FAILED" and aws.hooks.submitted == []
+    assert visited[-3:] == ["InvalidInput", "NotifyFailure", "Failed"]
+    (message,) = aws.notifications()
+    for fix in fixes:
+        assert fix in message
+    assert message.count("; ") == len(fixes)
+
+
+def test_missing_data_fails_before_any_job(aws):
+    desc, visited = aws.run(aws.pipeline_arn, "run-nodata", data("catalog/v9"))
+    assert desc["status"] == "FAILED" and aws.hooks.submitted == []
+    assert visited[-4:] == ["DataFound", "NoData", "NotifyFailure", "Failed"]
+    (message,) = aws.notifications()
+    assert f"No objects under s3://{DATA}/incoming/catalog/v9/" in message
+
+
+# ---- notifications cannot change the outcome -------------------------------------------------
+def test_undelivered_published_notification_leaves_a_succeeded_run(aws):
+    aws.put_gate("run-quiet", passed=True)
+    aws.hooks.fail_sns_subjects.add("new model published")
+    desc, visited = aws.run(aws.pipeline_arn, "run-quiet", data())
+    assert desc["status"] == "SUCCEEDED", desc
+    assert visited[-3:] == ["NotifyPublished", "NotifyPublishedUndelivered", "Done"]
+    assert aws.current_model()["run_id"] == "run-quiet"
+    assert aws.hooks.sns_attempts["new model published"] == 1 + TEST_CONFIG.retry_max_attempts
+
+
+# ---- conditional publish: an older run never replaces a newer model ---------------------------
+def test_run_of_an_older_version_finishing_last_does_not_replace_the_newer_model(aws):
+    aws.put_gate("run-new", passed=True)
+    aws.put_gate("run-old", passed=True)
+    assert aws.run(aws.pipeline_arn, "run-new", data("catalog/v2"))[0]["status"] == "SUCCEEDED"
+    desc, visited = aws.run(aws.pipeline_arn, "run-old", data("catalog/v1"))
+    assert desc["status"] == "SUCCEEDED", desc
+    assert visited[-3:] == ["NewerModelPublished", "NotifySuperseded", "ModelSuperseded"]
+    assert aws.current_model()["run_id"] == "run-new"
+    assert any("was not published" in n and "run-new" in n for n in aws.notifications())
+
+
+def test_newer_version_replaces_with_a_conditional_write(aws):
+    aws.put_gate("run-a", passed=True)
+    aws.put_gate("run-b", passed=True)
+    assert aws.run(aws.pipeline_arn, "run-a", data("catalog/v1"))[0]["status"] == "SUCCEEDED"
+    desc, visited = aws.run(aws.pipeline_arn, "run-b", data("catalog/v2"))
+    assert desc["status"] == "SUCCEEDED", desc
+    assert visited[-4:] == ["PointerRecordReplace", "PublishReplacement", "NotifyPublished", "Done"]
+    assert aws.current_model()["run_id"] == "run-b"
+
+
+def test_publish_race_a_newer_model_written_between_read_and_write_wins(aws):
+    # run-old read the pointer of run-a (v1), then run-new (v3) published before run-old's write:
+    # the If-Match write fails with 412, run-old reads again, sees v3 and stands down.
+    aws.put_current_model("run-a", "v1")
+    aws.put_gate("run-old", passed=True)
+    aws.hooks.before_put_current.append(lambda: aws.put_current_model("run-new", "v3"))
+    desc, visited = aws.run(aws.pipeline_arn, "run-old", data("catalog/v2"))
+    assert desc["status"] == "SUCCEEDED", desc
+    conflict = visited.index("PublishConflict")
+    assert visited[conflict - 1] == "PublishReplacement"
+    assert visited[conflict + 1:] == ["PublishAgain", "ReadPublishedModel", "NewerModelPublished", "NotifySuperseded",
+                                      "ModelSuperseded"]
+    assert aws.current_model()["run_id"] == "run-new"
+
+
+def test_first_publish_race_creates_only_once(aws):
+    # Both runs saw no pointer; the other one created it first: If-None-Match makes ours fail,
+    # and the newer version on the second read wins.
+    aws.put_gate("run-late", passed=True)
+    aws.hooks.before_put_current.append(lambda: aws.put_current_model("run-first", "v3"))
+    desc, visited = aws.run(aws.pipeline_arn, "run-late", data("catalog/v2"))
+    assert desc["status"] == "SUCCEEDED", desc
+    assert visited.count("ReadPublishedModel") == 2 and "PublishConflict" in visited
+    assert visited[-2:] == ["NotifySuperseded", "ModelSuperseded"]
+    assert aws.current_model()["run_id"] == "run-first"
+
+
+# ---- malformed documents fail loudly ---------------------------------------------------------
+def test_current_model_without_checkpoint_fails_with_a_notification(aws):
+    aws.s3.put_object(Bucket=ARTIFACTS, Key="models/current.json", Body=json.dumps({"run_id": "old"}))
+    desc, visited = aws.run(aws.pipeline_arn, "run-m1", data())
+    assert desc["status"] == "FAILED" and aws.hooks.submitted == []
+    assert visited[-3:] == ["MalformedCurrentModel", "NotifyFailure", "Failed"]
+    (message,) = aws.notifications()
+    assert "needs string fields checkpoint and run_id" in message
+
+
+def test_gate_report_without_metrics_fails_with_a_notification(aws):
+    aws.s3.put_object(Bucket=ARTIFACTS, Key="runs/run-m2/validation/gate.json", Body=json.dumps({"passed": True}))
+    desc, visited = aws.run(aws.pipeline_arn, "run-m2", data())
+    assert desc["status"] == "FAILED"
+    assert visited[-3:] == ["MalformedGateReport", "NotifyFailure", "Failed"]
+    assert "Embed" not in visited
+    (message,) = aws.notifications()
+    assert "needs a boolean passed and a metrics object" in message
 
 
 def test_s3_event_starts_one_run_named_after_dataset_and_version(aws):
@@ -201,3 +372,140 @@ def test_marker_at_the_wrong_depth_fails_the_starter(aws):
     desc, visited = aws.run(aws.starter_arn, "evt-3", event)
     assert desc["status"] == "FAILED" and visited[-1] == "UnexpectedKey"
     assert aws.sfn.list_executions(stateMachineArn=aws.pipeline_arn)["executions"] == []
+
+
+# ---- stall watchdog: arm after the startup bound, terminate a stalled job, disarm ------------
+def _running_train_job(aws, run_id: str) -> dict:
+    aws.hooks.running_job_definitions.add("train")
+    job_id = aws.batch.submit_job(jobName="train", jobQueue="production", jobDefinition="train",
+                                  parameters={"run_id": run_id})["jobId"]
+    return aws.batch.describe_jobs(jobs=[job_id])["jobs"][0]
+
+
+def _job_event(job: dict, status: str, *, started_at: int | None = None) -> dict:
+    detail = {"jobId": job["jobId"], "jobName": job["jobName"], "status": status,
+              "parameters": job["parameters"], "attempts": []}
+    if status == "RUNNING":
+        detail["startedAt"] = job["startedAt"] if started_at is None else started_at
+    return {"source": "aws.batch", "detail-type": "Batch Job State Change", "time": _iso(minutes_ago=60),
+            "detail": detail}
+
+
+def _iso(minutes_ago: float = 0) -> str:
+    moment = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(minutes=minutes_ago)
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _alarms(aws) -> list[dict]:
+    return aws.cloudwatch.describe_alarms(AlarmNamePrefix=aws.alarm_prefix)["MetricAlarms"]
+
+
+def _arm(aws, run_id: str) -> tuple[dict, list[str], dict]:
+    job = _running_train_job(aws, run_id)
+    desc, visited = aws.run(aws.watchdog_arn, f"arm-{run_id}", _job_event(job, "RUNNING"))
+    assert desc["status"] == "SUCCEEDED", desc
+    return job, visited, desc
+
+
+def _alarm_event(alarm: dict) -> dict:
+    return {"source": "aws.cloudwatch", "detail-type": "CloudWatch Alarm State Change", "time": _iso(),
+            "detail": {"alarmName": alarm["AlarmName"], "configuration": {"description": alarm["AlarmDescription"]},
+                       "state": {"value": "ALARM", "reason": "Threshold Crossed"}}}
+
+
+def test_watchdog_arms_the_alarm_only_after_the_startup_bound(aws):
+    job, visited, _ = _arm(aws, "run-w1")
+    assert visited == ["Route", "WatchRecord", "WaitForStartup", "DescribeWatchedJob", "StillThisAttempt",
+                       "ArmStallAlarm", "Armed"]
+    assert aws.hooks.waits == [TEST_CONFIG.startup_minutes * 60]
+    (alarm,) = _alarms(aws)
+    assert alarm["AlarmName"] == f"{aws.alarm_prefix}/{job['jobId']}"
+    assert alarm["TreatMissingData"] == "breaching" and alarm["Period"] == 60
+    assert alarm["EvaluationPeriods"] == alarm["DatapointsToAlarm"] == TEST_CONFIG.stall_timeout_minutes
+    assert {"Name": "RunId", "Value": "run-w1"} in alarm["Dimensions"]
+    assert json.loads(alarm["AlarmDescription"])["job_id"] == job["jobId"]
+
+
+def test_watchdog_arms_nothing_when_the_attempt_ended_or_was_retried_during_startup(aws):
+    ended = aws.batch.describe_jobs(jobs=[aws.batch.submit_job(
+        jobName="train", jobQueue="production", jobDefinition="train", parameters={"run_id": "run-w2"})["jobId"]])
+    desc, visited = aws.run(aws.watchdog_arn, "arm-ended", _job_event(ended["jobs"][0], "RUNNING"))
+    assert desc["status"] == "SUCCEEDED" and visited[-1] == "AttemptEndedDuringStartup"
+    retried = _running_train_job(aws, "run-w3")  # running again, but a later attempt than the event's
+    desc, visited = aws.run(aws.watchdog_arn, "arm-retried",
+                            _job_event(retried, "RUNNING", started_at=retried["startedAt"] - 3_600_000))
+    assert desc["status"] == "SUCCEEDED" and visited[-1] == "AttemptEndedDuringStartup"
+    assert _alarms(aws) == []
+
+
+def test_watchdog_terminates_a_stalled_job_and_names_run_job_and_last_step(aws):
+    job, _, _ = _arm(aws, "run-w4")
+    for step, minutes_ago in ((100, 50), (120, 40)):
+        aws.cloudwatch.put_metric_data(Namespace="TrainiumEmbeddings", MetricData=[{
+            "MetricName": "TrainStep", "Value": step, "Unit": "Count",
+            "Timestamp": datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(minutes=minutes_ago),
+            "Dimensions": [{"Name": "Stage", "Value": "dev"}, {"Name": "RunId", "Value": "run-w4"}]}])
+    (alarm,) = _alarms(aws)
+    desc, visited = aws.run(aws.watchdog_arn, "alarm-w4", _alarm_event(alarm))
+    assert desc["status"] == "SUCCEEDED", desc
+    assert visited[-5:] == ["LastStepFromHeartbeat", "TerminateStalledJob", "NotifyTerminated",
+                            "DisarmAfterTerminate", "DisarmAfterTerminateDone"]
+    (message,) = aws.notifications()
+    assert "Run run-w4" in message and job["jobId"] in message and "Last completed step: 120" in message
+    (record,) = aws.batch.describe_jobs(jobs=[job["jobId"]])["jobs"]
+    assert "stall watchdog" in record["statusReason"]
+    assert _alarms(aws) == []
+
+
+def test_watchdog_terminate_without_any_heartbeat_says_so(aws):
+    _arm(aws, "run-w5")
+    (alarm,) = _alarms(aws)
+    desc, visited = aws.run(aws.watchdog_arn, "alarm-w5", _alarm_event(alarm))
+    assert desc["status"] == "SUCCEEDED", desc
+    assert "NoHeartbeatYet" in visited and "TerminateStalledJob" in visited
+    assert "Last completed step: none" in aws.notifications()[0]
+
+
+@pytest.mark.parametrize("status", ["SUCCEEDED", "FAILED", "RUNNABLE"])
+def test_watchdog_disarms_when_the_attempt_stops_running(aws, status):
+    job, _, _ = _arm(aws, f"run-d-{status.lower()}")
+    assert len(_alarms(aws)) == 1
+    desc, visited = aws.run(aws.watchdog_arn, f"end-{status}", _job_event(job, status))
+    assert desc["status"] == "SUCCEEDED" and visited == ["Route", "DisarmStallAlarm", "DisarmStallAlarmDone"]
+    assert _alarms(aws) == []
+
+
+def test_watchdog_leaves_a_job_that_already_ended_alone(aws):
+    job, _, _ = _arm(aws, "run-w6")
+    (alarm,) = _alarms(aws)
+    batch_backends[ENV.account][REGION]._jobs[job["jobId"]]._mark_stopped(success=True)  # ended meanwhile
+    desc, visited = aws.run(aws.watchdog_arn, "alarm-w6", _alarm_event(alarm))
+    assert desc["status"] == "SUCCEEDED", desc
+    assert visited[-3:] == ["StillRunning", "DisarmEndedJobAlarm", "DisarmEndedJobAlarmDone"]
+    assert "TerminateStalledJob" not in visited and aws.notifications() == []
+    assert _alarms(aws) == []
+
+
+# ---- the starter: every upload starts a run ---------------------------------------------------
+def _upload_event(dataset: str, version: str) -> dict:
+    return {"source": "aws.s3", "detail-type": "Object Created",
+            "detail": {"bucket": {"name": DATA}, "object": {"key": f"incoming/{dataset}/{version}/_SUCCESS"}}}
+
+
+def test_a_name_the_service_refuses_falls_back_to_the_hashed_name(aws):
+    version = "2026-01-05-" + "x" * 80  # dataset-version is over the 80-character limit
+    desc, visited = aws.run(aws.starter_arn, "evt-long", _upload_event("catalog", version))
+    assert desc["status"] == "SUCCEEDED", desc
+    assert visited[-2:] == ["StartPipelineHashedName", "Started"]
+    (execution,) = aws.sfn.list_executions(stateMachineArn=aws.pipeline_arn)["executions"]
+    digest = hashlib.md5(f"catalog/{version}".encode()).hexdigest()
+    assert execution["name"] == f"upload-{digest}"
+
+
+def test_throttled_start_is_retried_and_the_run_starts(aws):
+    aws.hooks.throttle_start_executions = 3
+    desc, visited = aws.run(aws.starter_arn, "evt-busy", _upload_event("catalog", "v1"))
+    assert desc["status"] == "SUCCEEDED", desc
+    assert aws.hooks.throttle_start_executions == 0 and visited[-2:] == ["StartPipeline", "Started"]
+    (execution,) = aws.sfn.list_executions(stateMachineArn=aws.pipeline_arn)["executions"]
+    assert execution["name"] == "catalog-v1"

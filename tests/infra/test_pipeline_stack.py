@@ -8,7 +8,7 @@ import pytest
 from aws_cdk.assertions import Match
 from moto.events.models import EventPattern
 
-from pipeline_fixtures import TEST_CONFIG, synthesized
+from pipeline_fixtures import QUEUE_WAIT, TEST_CONFIG, synthesized
 from stacks.constructs.training_pipeline import BATCH_API_ERRORS, STEPS
 from stacks.pipeline_config import PipelineConfig
 
@@ -34,26 +34,49 @@ def _resources(syn, type_):
     return syn.template.find_resources(type_)
 
 
-def test_batch_states_in_pipeline_order(definition):
-    states = definition["States"]
-    order, name = [], definition["StartAt"]
+def _happy_path(definition: dict) -> list[str]:
+    """State names from StartAt along the success branch: the first Choice rule, except at
+    NewerModelPublished (whose rules are the superseded cases)."""
+    states, order, name = definition["States"], [], definition["StartAt"]
     while name:
         order.append(name)
         state = states[name]
-        if state["Type"] == "Choice":  # follow the success branch
-            name = state["Choices"][0]["Next"] if name == "GatePassed" else state["Default"]
-            if name == "ReadCurrentModel":
-                order.append(name)
-                name = states[name]["Next"]
+        if state["Type"] == "Choice":
+            name = state["Default"] if name == "NewerModelPublished" else state["Choices"][0]["Next"]
         else:
             name = state.get("Next")
+    return order
+
+
+def test_batch_states_in_pipeline_order_after_the_input_checks(definition):
+    order = _happy_path(definition)
     batch = [n for n in order if n in {s.name for s in STEPS}]
     assert batch == ["Prepare", "Sanity", "Compile", "Train", "Validate", "Embed"]
-    assert order.index("GatePassed") < order.index("Embed") < order.index("Publish")
+    assert order.index("InputValid") < order.index("ListData") < order.index("ReadCurrentModel") < order.index("Prepare")
+    assert order.index("GatePassed") < order.index("Embed") < order.index("PublishReplacement")
+
+
+def test_no_batch_job_is_reachable_without_passing_the_input_checks(definition):
+    # Every path from the start to Prepare passes DataFound (data exists) after InputValid.
+    states = definition["States"]
+
+    def paths_avoiding(node: str, blocked: str, seen: set[str]) -> bool:
+        if node == "Prepare":
+            return True
+        if node in seen or node == blocked:
+            return False
+        seen.add(node)
+        state = states[node]
+        nexts = [state.get("Next"), state.get("Default"), *(c["Next"] for c in state.get("Choices", [])),
+                 *(c["Next"] for c in state.get("Catch", []))]
+        return any(paths_avoiding(n, blocked, seen) for n in nexts if n)
+
+    assert not paths_avoiding(definition["StartAt"], "DataFound", set())
+    assert not paths_avoiding(definition["StartAt"], "InputValid", set())
 
 
 @pytest.mark.parametrize("step", [s.name for s in STEPS])
-def test_every_submit_is_sync_with_fair_share_retries_catch_and_timeout(definition, step):
+def test_every_submit_is_sync_with_fair_share_retries_catch_and_timeout(syn, definition, step):
     state = definition["States"][step]
     assert state["Resource"] == "arn:aws:states:::batch:submitJob.sync"
     params = state["Parameters"]
@@ -71,7 +94,22 @@ def test_every_submit_is_sync_with_fair_share_retries_catch_and_timeout(definiti
     assert retry["MaxAttempts"] == TEST_CONFIG.retry_max_attempts
     (catch,) = state["Catch"]
     assert catch == {"ErrorEquals": ["States.ALL"], "ResultPath": f"$.failure.{step}", "Next": "NotifyFailure"}
-    assert state["TimeoutSeconds"] == TEST_CONFIG.timeout_minutes(step) * 60
+    assert state["TimeoutSeconds"] == syn.stack.pipeline.state_timeout_minutes(_step(step)) * 60
+
+
+def _step(name: str):
+    return next(s for s in STEPS if s.name == name)
+
+
+@pytest.mark.parametrize("step", [s.name for s in STEPS])
+def test_every_attempt_of_a_job_fits_in_its_state_timeout(syn, definition, step):
+    # Batch retries inside one SubmitJob: the state must outlast attempts x (queue wait + startup + attempt).
+    job_definition = syn.deps.job_definitions[_step(step).job_definition]
+    attempts, attempt_minutes = job_definition.retry_attempts, job_definition.timeout.to_minutes()
+    per_attempt = QUEUE_WAIT.to_minutes() + TEST_CONFIG.startup_minutes + attempt_minutes
+    assert definition["States"][step]["TimeoutSeconds"] >= attempts * per_attempt * 60
+    if step == "Train":  # 72 h attempts, 3 of them: far beyond the old 72 h state timeout
+        assert definition["States"][step]["TimeoutSeconds"] > 3 * 72 * 3600
 
 
 def test_multi_node_steps_share_node_count_and_queue(definition):
@@ -94,17 +132,58 @@ def test_defaults_come_from_config_and_input_wins(definition):
         "States.JsonMerge($.defaults, $$.Execution.Input, false)"
 
 
-def test_one_failure_path_notifies_then_fails(definition):
+def test_production_metrics_are_always_the_gate_baseline(definition):
+    # init_from from the input wins for the start; the published model's metrics win for the gate.
+    assert definition["States"]["ApplyBaseline"]["Parameters"]["run.$"] == \
+        "States.JsonMerge(States.JsonMerge($.baseline.start, $.run, false), $.baseline.gate, false)"
+    assert "InitFromGiven" not in definition["States"]
+
+
+def test_one_failure_path_notifies_then_fails(syn, definition):
     states = definition["States"]
+    undelivered = set(syn.stack.pipeline.undelivered_states)
+    assert undelivered == {"NotifyPublishedUndelivered", "NotifyGateFailedUndelivered", "NotifySupersededUndelivered"}
     catch_targets = {c["Next"] for s in states.values() for c in s.get("Catch", [])
                      if c["ErrorEquals"] == ["States.ALL"]} - {"Failed"}
-    assert catch_targets == {"NotifyFailure"}
+    assert catch_targets == {"NotifyFailure"} | undelivered
     assert states["NotifyFailure"]["Resource"] == "arn:aws:states:::sns:publish"
     assert states["NotifyFailure"]["Next"] == "Failed" and states["Failed"]["Type"] == "Fail"
-    # Only the Batch states retry, and only on the Batch API errors.
-    for name, state in states.items():
-        for retry in state.get("Retry", []):
-            assert sorted(retry["ErrorEquals"]) == sorted(BATCH_API_ERRORS), name
+    # A malformed document or input ends in the same notification, never in a bare Pass.
+    for name in ("InvalidInput", "NoData", "MalformedCurrentModel", "MalformedGateReport", "PublishConflicts"):
+        assert states[name]["Next"] == "NotifyFailure", name
+    # Batch states retry only the Batch API errors.
+    for step in STEPS:
+        (retry,) = states[step.name]["Retry"]
+        assert sorted(retry["ErrorEquals"]) == sorted(BATCH_API_ERRORS)
+
+
+def test_every_s3_and_sns_task_has_a_timeout_and_retries(definition):
+    tasks = {n: s for n, s in definition["States"].items()
+             if s["Type"] == "Task" and (":s3:" in s["Resource"] or ":sns:" in s["Resource"])}
+    assert len(tasks) >= 9
+    for name, state in tasks.items():
+        assert 0 < state["TimeoutSeconds"] <= 300, name
+        (retry,) = state["Retry"]
+        assert "States.Timeout" in retry["ErrorEquals"] and retry["MaxAttempts"] >= 1, name
+
+
+def test_notification_outcomes_cannot_fail_the_run(definition):
+    states = definition["States"]
+    for notify, end in (("NotifyPublished", "Done"), ("NotifyGateFailed", "ModelRejected"),
+                        ("NotifySuperseded", "ModelSuperseded")):
+        (catch,) = states[notify]["Catch"]
+        assert catch["Next"] == f"{notify}Undelivered" and states[f"{notify}Undelivered"]["Next"] == end
+
+
+def test_undelivered_notifications_are_counted_and_alarmed(syn):
+    (metric_filter,) = syn.template.find_resources("AWS::Logs::MetricFilter").values()
+    pattern = metric_filter["Properties"]["FilterPattern"]
+    for state in syn.stack.pipeline.undelivered_states:
+        assert f'$.details.name = "{state}"' in pattern
+    assert '$.type = "PassStateEntered"' in pattern
+    name = metric_filter["Properties"]["MetricTransformations"][0]["MetricName"]
+    syn.template.has_resource_properties("AWS::CloudWatch::Alarm", {"MetricName": name,
+                                                                     "AlarmActions": Match.any_value()})
 
 
 def test_gate_is_a_visible_choice_and_rejection_skips_embed(definition):
@@ -113,8 +192,17 @@ def test_gate_is_a_visible_choice_and_rejection_skips_embed(definition):
     assert gate["Choices"][0]["Next"] == "Embed"
     assert definition["States"]["NotifyGateFailed"]["Next"] == "ModelRejected"
     assert definition["States"]["ReadGate"]["Resource"] == "arn:aws:states:::aws-sdk:s3:getObject"
-    assert definition["States"]["Publish"]["Resource"] == "arn:aws:states:::aws-sdk:s3:putObject"
-    assert definition["States"]["Publish"]["Parameters"]["Key"] == "models/current.json"
+
+
+def test_publish_is_a_conditional_write(definition):
+    states = definition["States"]
+    first, replace = states["Publish"]["Parameters"], states["PublishReplacement"]["Parameters"]
+    assert states["Publish"]["Resource"] == "arn:aws:states:::aws-sdk:s3:putObject"
+    assert first["Key"] == replace["Key"] == "models/current.json"
+    assert first["IfNoneMatch"] == "*" and replace["IfMatch.$"] == "$.latest.etag"
+    for write in ("Publish", "PublishReplacement"):
+        assert states[write]["Catch"][0] == {"ErrorEquals": ["S3.S3Exception"], "ResultPath": "$.publish_error",
+                                             "Next": "PublishConflict"}
 
 
 def test_state_machine_logs_all_to_encrypted_group_with_tracing(syn):
@@ -137,7 +225,7 @@ def test_role_is_least_privilege(syn):
     submit = [s for s in statements if s["Action"] == "batch:SubmitJob"]
     assert submit and all("*" not in json.dumps(s["Resource"]) for s in submit)
     star = [s for s in statements if s["Resource"] == "*"]
-    allowed = {"batch:DescribeJobs", "xray:PutTraceSegments", "xray:PutTelemetryRecords", "xray:GetSamplingRules",
+    allowed = {"batch:DescribeJobs", "cloudwatch:GetMetricData", "xray:PutTraceSegments", "xray:PutTelemetryRecords", "xray:GetSamplingRules",
                "xray:GetSamplingTargets", "logs:CreateLogDelivery", "logs:GetLogDelivery", "logs:UpdateLogDelivery",
                "logs:DeleteLogDelivery", "logs:ListLogDeliveries", "logs:PutResourcePolicy",
                "logs:DescribeResourcePolicies", "logs:DescribeLogGroups"}
@@ -145,6 +233,9 @@ def test_role_is_least_privilege(syn):
         actions = s["Action"] if isinstance(s["Action"], list) else [s["Action"]]
         assert set(actions) <= allowed, s
     assert "models/current.json" in text and "validation/gate.json" in text
+    # The input check may list the data bucket, nothing more.
+    data_statements = [s for s in statements if s["Action"] == "s3:ListBucket"]
+    assert data_statements and all(isinstance(s["Resource"], dict) for s in data_statements)
     assert not [s for s in statements if "s3:*" in json.dumps(s["Action"])]
 
 
@@ -174,7 +265,9 @@ def test_trigger_rule_matches_success_marker_only(syn):
 def test_stall_watchdog_and_runnable_rules(syn):
     patterns = [r["Properties"]["EventPattern"] for r in _resources(syn, "AWS::Events::Rule").values()]
     batch_rules = [p for p in patterns if p["source"] == ["aws.batch"]]
-    assert any(p["detail"].get("status") == ["RUNNING", "SUCCEEDED", "FAILED"] for p in batch_rules)
+    # RUNNABLE/STARTING too: a retry's alarm must go until its own RUNNING arms it again.
+    assert any(p["detail"].get("status") == ["RUNNABLE", "STARTING", "RUNNING", "SUCCEEDED", "FAILED"]
+               for p in batch_rules)
     assert any(p["detail"].get("statusReason") == [{"prefix": "CAPACITY:"}, {"prefix": "MISCONFIGURATION:"}]
                for p in batch_rules)
     alarm_rules = [p for p in patterns if p["source"] == ["aws.cloudwatch"]]
@@ -184,14 +277,30 @@ def test_stall_watchdog_and_runnable_rules(syn):
     assert arm["MetricName"] == "TrainStep" and arm["Namespace"] == "TrainiumEmbeddings"
     assert arm["TreatMissingData"] == "breaching"
     assert arm["Period"] * arm["EvaluationPeriods"] == TEST_CONFIG.stall_timeout_minutes * 60
+    assert arm["DatapointsToAlarm"] == arm["EvaluationPeriods"]
     # Per run: the job's run_id parameter is the RunId the heartbeat of that job publishes, so a
     # healthy concurrent run of the same stage cannot keep a stalled one's alarm quiet.
     assert arm["Dimensions"] == [{"Name": "Stage", "Value": "dev"},
-                                 {"Name": "RunId", "Value.$": "$.detail.parameters.run_id"}]
-    route = watchdog["States"]["Route"]["Choices"]
-    arming = [c for c in route if c["Next"] == "ArmStallAlarm"]
-    assert len(arming) == 1 and {"Variable": "$.detail.parameters.run_id", "IsPresent": True} in arming[0]["And"]
+                                 {"Name": "RunId", "Value.$": "$.watch.run_id"}]
     assert watchdog["States"]["TerminateStalledJob"]["Resource"] == "arn:aws:states:::aws-sdk:batch:terminateJob"
+
+
+def test_stall_alarm_is_armed_only_behind_the_startup_wait(syn):
+    (machine,) = [m for lid, m in _resources(syn, "AWS::StepFunctions::StateMachine").items()
+                  if lid.startswith("StallWatchdog")]
+    assert machine["Properties"]["StateMachineType"] == "STANDARD"  # Express workflows end after 5 minutes
+    states = syn.definition("StallWatchdog", _Anything())["States"]
+    assert states["WaitForStartup"] == {"Type": "Wait", "Seconds": TEST_CONFIG.startup_minutes * 60,
+                                        "Next": "DescribeWatchedJob"}
+    # The only way into ArmStallAlarm is StillThisAttempt, only reached through the wait.
+    into_arm = [n for n, s in states.items() if s.get("Next") == "ArmStallAlarm"
+                or any(c["Next"] == "ArmStallAlarm" for c in s.get("Choices", []))]
+    assert into_arm == ["StillThisAttempt"]
+    into_check = [n for n, s in states.items() if s.get("Next") == "StillThisAttempt"]
+    assert into_check == ["DescribeWatchedJob"]
+    # With the arm at the startup bound, a heartbeat that stopped at minute t is acted on by
+    # max(startup, t + stall) + CloudWatch evaluation, i.e. within stall + 5 minutes of t.
+    assert TEST_CONFIG.startup_minutes <= TEST_CONFIG.stall_timeout_minutes
 
 
 def test_canary_schedule_and_alarm(syn):
@@ -258,7 +367,8 @@ def test_canary_can_be_disabled():
     ({"incoming_prefix": "/incoming"}, "incoming_prefix"),
     ({"notification_email": "nobody"}, "notification_email"),
     ({"retry_backoff_rate": 0.5}, "retry_backoff_rate"),
-    ({"train_timeout_minutes": 0}, "train_timeout_minutes"),
+    ({"startup_minutes": 4}, "startup_minutes=4: use 5..360"),
+    ({"startup_minutes": 45, "stall_timeout_minutes": 30}, "startup_minutes=45 exceeds stall_timeout_minutes=30"),
     ({"mlflow_tracking": "Managed"}, r"mlflow_tracking='Managed': use 'managed'"),
     ({"mlflow_tracking": "mlflow.example.com"}, r"a tracking URI with a scheme"),
     ({"mlflow_tracking": ""}, r"mlflow_tracking=''"),

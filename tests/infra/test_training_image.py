@@ -247,3 +247,43 @@ def test_entrypoint_forwards_sigterm_to_torchrun(fake_bin, tmp_path):
             proc.kill()
     assert got_term.exists(), "SIGTERM was not forwarded to torchrun"
     assert proc.returncode == 75, stderr
+
+
+# -- startup bounds: rendezvous timeout and image pull ------------------------------------------
+def test_rendezvous_timeout_comes_from_the_job_definition_env(fake_bin):
+    env = {"AWS_BATCH_JOB_NUM_NODES": "2", "AWS_BATCH_JOB_NODE_INDEX": "1",
+           "AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS": "10.42.0.5", "TORCHRUN_RDZV_TIMEOUT_SECONDS": "1800"}
+    out = _out(_run(fake_bin, ["train", "--run-dir", "/fsx/runs/r1"], env))
+    assert out["TORCHRUN_ARGS"].endswith(" --master_port 29500 --rdzv_conf timeout=1800")
+    bad = _run(fake_bin, ["train", "--run-dir", "/fsx/runs/r1"], {**env, "TORCHRUN_RDZV_TIMEOUT_SECONDS": "30m"})
+    assert bad.returncode == 78 and "TORCHRUN_RDZV_TIMEOUT_SECONDS='30m' must be a positive integer" in bad.stderr
+
+
+def test_torchrun_static_rendezvous_takes_the_timeout():
+    # torchrun's default static rendezvous waits 600 s; the flag the entrypoint adds replaces it.
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import create_rdzv_handler
+    from torch.distributed.run import config_from_args, parse_args
+
+    args = parse_args(["--nnodes", "2", "--node_rank", "1", "--nproc_per_node", "2", "--master_addr", "10.0.0.1",
+                       "--master_port", "29500", "--rdzv_conf", "timeout=1800", "-m", "pipeline_steps", "train"])
+    config, _, _ = config_from_args(args)
+    params = RendezvousParameters(backend="static", endpoint="10.0.0.1:29500", run_id="r", min_nodes=2, max_nodes=2,
+                                  **config.rdzv_configs)
+    assert create_rdzv_handler(params).timeout.total_seconds() == 1800
+
+
+def test_startup_budget_reaches_the_jobs_and_the_root_volume_is_provisioned(dev_templates, dev_config):
+    compute = dev_templates["compute"]
+    multi_node = [j["Properties"] for j in compute.find_resources("AWS::Batch::JobDefinition").values()
+                  if j["Properties"]["Type"] == "multinode"]
+    assert len(multi_node) == 3
+    for job in multi_node:
+        env = {e["Name"]: e["Value"] for e in
+               job["NodeProperties"]["NodeRangeProperties"][0]["Container"]["Environment"]}
+        assert env["TORCHRUN_RDZV_TIMEOUT_SECONDS"] == str(dev_config.pipeline.startup_minutes * 60)
+    for template in compute.find_resources("AWS::EC2::LaunchTemplate").values():
+        (root,) = template["Properties"]["LaunchTemplateData"]["BlockDeviceMappings"]
+        assert root["Ebs"]["VolumeType"] == "gp3"
+        assert root["Ebs"]["Throughput"] == dev_config.compute.root_volume_throughput_mibps == 1000
+        assert root["Ebs"]["Iops"] == dev_config.compute.root_volume_iops >= 4 * root["Ebs"]["Throughput"]
