@@ -287,3 +287,15 @@ def test_startup_budget_reaches_the_jobs_and_the_root_volume_is_provisioned(dev_
         assert root["Ebs"]["VolumeType"] == "gp3"
         assert root["Ebs"]["Throughput"] == dev_config.compute.root_volume_throughput_mibps == 1000
         assert root["Ebs"]["Iops"] == dev_config.compute.root_volume_iops >= 4 * root["Ebs"]["Throughput"]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"root_volume_throughput_mibps": 1001}, r"gp3 takes 125..1000 MiB/s and 3000..16000 IOPS"),
+    ({"root_volume_iops": 2000}, r"gp3 takes 125..1000 MiB/s and 3000..16000 IOPS"),
+    ({"root_volume_throughput_mibps": 1000, "root_volume_iops": 3000}, r"use >= 4000 for 1000 MiB/s"),
+])
+def test_root_volume_settings_have_fix_it_messages(kwargs, match):
+    from stacks.config import ComputeConfig
+
+    with pytest.raises(ValueError, match=match):
+        ComputeConfig(**kwargs)
