@@ -377,7 +377,7 @@ def test_marker_at_the_wrong_depth_fails_the_starter(aws):
 # ---- stall watchdog: arm after the startup bound, terminate a stalled job, disarm ------------
 def _running_train_job(aws, run_id: str) -> dict:
     aws.hooks.running_job_definitions.add("train")
-    job_id = aws.batch.submit_job(jobName="train", jobQueue="production", jobDefinition="train",
+    job_id = aws.batch.submit_job(jobName="train", jobQueue="training", jobDefinition="train",
                                   parameters={"run_id": run_id})["jobId"]
     return aws.batch.describe_jobs(jobs=[job_id])["jobs"][0]
 
@@ -428,7 +428,7 @@ def test_watchdog_arms_the_alarm_only_after_the_startup_bound(aws):
 
 def test_watchdog_arms_nothing_when_the_attempt_ended_or_was_retried_during_startup(aws):
     ended = aws.batch.describe_jobs(jobs=[aws.batch.submit_job(
-        jobName="train", jobQueue="production", jobDefinition="train", parameters={"run_id": "run-w2"})["jobId"]])
+        jobName="train", jobQueue="training", jobDefinition="train", parameters={"run_id": "run-w2"})["jobId"]])
     desc, visited = aws.run(aws.watchdog_arn, "arm-ended", _job_event(ended["jobs"][0], "RUNNING"))
     assert desc["status"] == "SUCCEEDED" and visited[-1] == "AttemptEndedDuringStartup"
     retried = _running_train_job(aws, "run-w3")  # running again, but a later attempt than the event's
