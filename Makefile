@@ -13,6 +13,10 @@ BACKEND ?= cpu
 # jsii (the CDK's Node bridge) warns on every run about Node 20's end of life; the warning is noise here.
 export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 STAGE ?= dev
+# A zone ID for offline synthesis only (what `make synth`/`make demo` write is never deployed).
+# Deploys pass their own with `npx cdk deploy -c training_az_id=...`, which has no default
+# (docs/infrastructure.md, "Training zone by ID").
+AZ_ID ?= use1-az6
 
 # torch==2.9.0 + torch-xla==2.9.0 (the last Neuron training image's versions) come from the
 # `local` extra; the PyPI wheel pulls ~7 GB of CUDA libraries once.
@@ -35,7 +39,7 @@ test: $(STAMP)
 
 # Offline and deterministic: writes cdk.out/ for the stage (`make synth STAGE=prod`).
 synth: $(STAMP)
-	CDK_CONTEXT_JSON='{"stage":"$(STAGE)"}' $(PY) app.py
+	CDK_CONTEXT_JSON='{"stage":"$(STAGE)","training_az_id":"$(AZ_ID)"}' $(PY) app.py
 
 # For reviewers: what the current code changes against the committed template snapshots.
 infra-diff: $(STAMP)

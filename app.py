@@ -11,7 +11,9 @@ variable CDK_CONTEXT_JSON, and `cdk.App` reads it (over cdk.json's defaults, whi
 loads so plain python synthesizes exactly what `cdk synth` does). `python app.py -c stage=prod`
 would be silently ignored by plain python -- so this app refuses command-line arguments instead.
 
-Other context keys: region / account (else CDK_DEFAULT_REGION / CDK_DEFAULT_ACCOUNT, which the
+Context key `training_az_id` (required to synthesize): the zone ID of the training zone, e.g.
+`-c training_az_id=<zone id>`; docs/infrastructure.md shows how to list the zones that offer the
+training instance type. Other context keys: region / account (else CDK_DEFAULT_REGION / CDK_DEFAULT_ACCOUNT, which the
 cdk CLI sets from your credentials, else the stage's defaults: region pinned, account-agnostic),
 git_commit (else `git rev-parse HEAD` of this checkout, else "unknown": the training image's
 GIT_COMMIT build arg, so a given commit always synthesizes the same image asset), nag=false to
@@ -34,7 +36,8 @@ from stacks.stages import build_stage
 
 USAGE = (
     "app.py takes no arguments; pass context the way the cdk CLI does:\n"
-    "    CDK_CONTEXT_JSON='{\"stage\":\"prod\"}' python app.py      (or: npx cdk synth -c stage=prod)"
+    "    CDK_CONTEXT_JSON='{\"stage\":\"prod\",\"training_az_id\":\"<zone id>\"}' python app.py\n"
+    "    (or: npx cdk synth -c stage=prod -c training_az_id=<zone id>)"
 )
 
 
@@ -68,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             account=app.node.try_get_context("account") or os.environ.get("CDK_DEFAULT_ACCOUNT"),
             region=app.node.try_get_context("region") or os.environ.get("CDK_DEFAULT_REGION"),
             git_commit=str(app.node.try_get_context("git_commit") or git_head() or "unknown"),
+            training_az_id=app.node.try_get_context("training_az_id") or None,
         )
         build_stage(app, cfg)
     except ValueError as exc:  # config validation: the message carries the fix

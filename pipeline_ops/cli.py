@@ -1,13 +1,16 @@
 """trainium-runs: start, watch and stop training pipeline runs on AWS, and see what they cost.
 
-    trainium-runs [--stage dev] start --data-uri s3://<data bucket>/incoming/catalog/2026-01-05/ [--base-model RUN] [--nodes 4] [--share experiments]
+    trainium-runs [--stage dev] start --data-uri incoming/catalog/2026-01-05/ [--base-model RUN] [--nodes 4] [--share experiments]
+    trainium-runs buckets               the stage's data and artifacts buckets (Storage stack outputs)
     trainium-runs status [RUN]          state timeline, Batch jobs (ids, nodes, instance, times), cost, failure reason
     trainium-runs runs [--max 10]       recent runs: outcome, gate metrics, cost
     trainium-runs logs RUN STEP         the main node's CloudWatch log of that step's Batch job
     trainium-runs stop RUN              stop the execution (Step Functions terminates the running job)
 
 The state machine is the `StateMachineArn` output of the stack `<project>-<stage>-Pipeline`
-(default project TrnEmbed), or `--state-machine-arn`. RUN is the run id (= the execution name) or
+(default project TrnEmbed), or `--state-machine-arn`. The data bucket is the `DataBucketName`
+output of `<project>-<stage>-Storage`: `--data-uri incoming/<dataset>/<version>/` is a key in it,
+and an s3:// URI must name it (only that bucket is linked to /fsx/data). RUN is the run id (= the execution name) or
 an execution ARN; `status` without RUN shows the latest run. Add `--json` for scripts. Costs are
 Batch job time x nodes x on-demand price (pipeline_steps/cost.py); `--price TYPE=USD` adds or
 overrides a price (e.g. `--price trn1.2xlarge=1.34`, which the built-in table cannot cite).
@@ -39,6 +42,10 @@ class ConflictError(R.OpsError):
     exit_code = 6
 
 
+class UsageError(R.OpsError):
+    exit_code = 2
+
+
 # ---- AWS context ----------------------------------------------------------------------------------
 class Context:
     """Clients, the resolved state machine and the price table for one CLI call."""
@@ -51,9 +58,9 @@ class Context:
         if not self.session.region_name:
             raise R.ConfigError("no AWS region: pass --region or set AWS_REGION / AWS_DEFAULT_REGION.")
         self.region = self.session.region_name
-        self.stack_name = f"{args.project}-{args.stage}-Pipeline"
+        self.stack_name = self.stack_of("Pipeline")
         self._clients: dict[str, Any] = {}
-        self._outputs: dict[str, str] | None = None
+        self._outputs: dict[str, dict[str, str]] = {}
         self._arn: str | None = None
         self.prices = cost_lib.PriceTable(self.region, overrides=cost_lib.parse_overrides(args.price))
 
@@ -62,21 +69,34 @@ class Context:
             self._clients[name] = self.session.client(name)
         return self._clients[name]
 
-    def outputs(self) -> dict[str, str]:
-        if self._outputs is None:
+    def stack_of(self, role: str) -> str:
+        return f"{self.args.project}-{self.args.stage}-{role}"
+
+    def outputs(self, role: str = "Pipeline") -> dict[str, str]:
+        """The outputs of the stage's stack `role` ("Pipeline", "Storage"), read once."""
+        if role not in self._outputs:
             from botocore.exceptions import ClientError
 
+            stack_name = self.stack_of(role)
             try:
-                stacks = self.client("cloudformation").describe_stacks(StackName=self.stack_name)["Stacks"]
+                stacks = self.client("cloudformation").describe_stacks(StackName=stack_name)["Stacks"]
             except ClientError as exc:
                 if "does not exist" in str(exc):
                     raise R.ConfigError(
-                        f"stage {self.args.stage!r}: no stack {self.stack_name} in {self.region}. Is the stage "
+                        f"stage {self.args.stage!r}: no stack {stack_name} in {self.region}. Is the stage "
                         f"deployed there (cdk deploy -c stage={self.args.stage})? Otherwise pass --stage, "
                         "--project, --region or --state-machine-arn.") from None
                 raise
-            self._outputs = {o["OutputKey"]: o["OutputValue"] for o in stacks[0].get("Outputs", [])}
-        return self._outputs
+            self._outputs[role] = {o["OutputKey"]: o["OutputValue"] for o in stacks[0].get("Outputs", [])}
+        return self._outputs[role]
+
+    def bucket(self, output: str) -> str:
+        """A bucket name from the Storage stack's outputs ("DataBucketName", "ArtifactsBucketName")."""
+        name = self.outputs("Storage").get(output)
+        if not name:
+            raise R.ConfigError(f"stack {self.stack_of('Storage')} has no {output} output; redeploy the stage "
+                                "(cdk deploy) to add it.")
+        return name
 
     @property
     def state_machine_arn(self) -> str:
@@ -198,20 +218,29 @@ def run_summary(ctx: Context, execution: dict[str, Any], *, now: float | None = 
 
 
 # ---- commands -------------------------------------------------------------------------------------
-def _data_input(uri: str) -> dict[str, str]:
-    """s3://<data bucket>/<key> or /fsx/data/<key> -> the execution's data fields. The FSx data
-    repository association maps /fsx/data <-> s3://<data bucket>/ (CONTRACTS.md)."""
+def _data_input(uri: str, data_bucket: Callable[[], str]) -> dict[str, str]:
+    """incoming/<key> (a key in the stage's data bucket), s3://<data bucket>/<key> or
+    /fsx/data/<key> -> the execution's data fields. The FSx data repository association maps
+    /fsx/data <-> s3://<data bucket>/ (CONTRACTS.md), so an S3 URI must name that bucket."""
     out: dict[str, str] = {}
     if uri.startswith("s3://"):
-        bucket_and_key = uri[len("s3://"):]
-        key = bucket_and_key.partition("/")[2].strip("/")
+        bucket, _, key = uri[len("s3://"):].partition("/")
+        expected = data_bucket()
+        if bucket != expected:
+            raise UsageError(f"--data-uri {uri!r}: bucket {bucket!r} is not the stage's data bucket {expected!r} "
+                             f"(only it is linked to {FSX_DATA}); upload to s3://{expected}/incoming/<dataset>/"
+                             "<version>/ or pass the key alone: incoming/<dataset>/<version>/")
         out["data_s3_uri"] = uri
-        out["data_uri"] = f"{FSX_DATA}/{key}"
+        out["data_uri"] = f"{FSX_DATA}/{key.strip('/')}"
     elif uri.startswith("/"):
         out["data_uri"] = uri.rstrip("/")
+    elif uri.startswith("incoming/"):
+        out["data_s3_uri"] = f"s3://{data_bucket()}/{uri}"
+        out["data_uri"] = f"{FSX_DATA}/{uri.strip('/')}"
     else:
-        raise R.OpsError(f"--data-uri {uri!r}: use s3://<data bucket>/incoming/<dataset>/<version>/ "
-                         f"or {FSX_DATA}/incoming/<dataset>/<version>")
+        raise UsageError(f"--data-uri {uri!r}: use incoming/<dataset>/<version>/ (a key in the stage's data "
+                         f"bucket), s3://<data bucket>/incoming/<dataset>/<version>/ or "
+                         f"{FSX_DATA}/incoming/<dataset>/<version>")
     parts = out["data_uri"].split("/")
     if "incoming" in parts and len(parts) >= parts.index("incoming") + 3:
         i = parts.index("incoming")
@@ -220,7 +249,7 @@ def _data_input(uri: str) -> dict[str, str]:
 
 
 def cmd_start(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
-    run_input: dict[str, Any] = _data_input(args.data_uri)
+    run_input: dict[str, Any] = _data_input(args.data_uri, lambda: ctx.bucket("DataBucketName"))
     if args.base_model is not None:
         # A bare run id means that run's dir (checkpoint.resolve picks its newest verified checkpoint);
         # "" trains from scratch.
@@ -230,11 +259,6 @@ def cmd_start(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
                        ("embed_shards", args.embed_shards)):
         if value is not None:
             run_input[key] = value
-    if args.share and args.share != "production" and not args.state_machine_arn:
-        # Experiment runs go to the experiments queue (same compute, its own fair share).
-        queue = ctx.outputs().get("ExperimentsQueueArn")
-        if queue:
-            run_input["training_queue"] = queue
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
     name = args.name or R.execution_name(run_input.get("dataset", "manual"), run_input.get("version", ""),
                                          suffix=f"-{stamp}")
@@ -295,6 +319,13 @@ def cmd_logs(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
                               "written yet).") from None
     return {"run_id": execution["name"], "step": state, "job_id": job_id, "log_group": group, "log_stream": stream,
             "events": [{"timestamp": R.iso(e["timestamp"] / 1000.0), "message": e["message"]} for e in events]}
+
+
+def cmd_buckets(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
+    data, artifacts = ctx.bucket("DataBucketName"), ctx.bucket("ArtifactsBucketName")
+    return {"data_bucket": data, "artifacts_bucket": artifacts,
+            "upload_to": f"s3://{data}/incoming/<dataset>/<version>/", "runs": f"s3://{artifacts}/runs/",
+            "current_model": f"s3://{artifacts}/models/current.json"}
 
 
 def cmd_stop(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
@@ -412,9 +443,15 @@ def render_stop(console: Any, out: dict[str, Any]) -> None:
         console.print(f"run {out['run_id']} is {out['status']}; nothing to stop")
 
 
+def render_buckets(console: Any, out: dict[str, Any]) -> None:
+    for label, key in (("data bucket", "data_bucket"), ("artifacts bucket", "artifacts_bucket"),
+                       ("upload to", "upload_to"), ("runs", "runs"), ("current model", "current_model")):
+        console.print(f"{label:17} {out[key]}", markup=False, highlight=False)
+
+
 COMMANDS: dict[str, tuple[Callable[..., dict[str, Any]], Callable[[Any, dict[str, Any]], None]]] = {
     "start": (cmd_start, render_start), "status": (cmd_status, render_status), "runs": (cmd_runs, render_runs),
-    "logs": (cmd_logs, render_logs), "stop": (cmd_stop, render_stop),
+    "logs": (cmd_logs, render_logs), "stop": (cmd_stop, render_stop), "buckets": (cmd_buckets, render_buckets),
 }
 
 
@@ -448,7 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     start = sub.add_parser("start", parents=[common], help="start a run")
     start.add_argument("--data-uri", required=True,
-                       help="s3://<data bucket>/incoming/<dataset>/<version>/ or /fsx/data/incoming/<dataset>/<version>")
+                       help="incoming/<dataset>/<version>/ (a key in the stage's data bucket), "
+                            "s3://<data bucket>/incoming/<dataset>/<version>/ or /fsx/data/incoming/<dataset>/<version>")
     start.add_argument("--base-model", default=None,
                        help="run id, /fsx/runs/<run>[/checkpoints/...] to start from ('' = from scratch; "
                             "default: the published model)")
@@ -467,6 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("--lines", type=int, default=200)
     logs.add_argument("--head", action="store_true", help="from the start of the stream (default: the end)")
     logs.add_argument("--index", type=int, default=0, help="array child for embed")
+    sub.add_parser("buckets", parents=[common], help="the stage's data and artifacts buckets")
     stop = sub.add_parser("stop", parents=[common], help="stop a running run")
     stop.add_argument("run")
     stop.add_argument("--cause", default=None)

@@ -6,8 +6,9 @@ Everything is derived from three sources, in this order of trust:
 - the execution history: which state ran when, and for every Batch state the SubmitJob
   parameters it sent (node count override, array size) and the job id it got back;
 - DescribeJobs: status, statusReason, startedAt/stoppedAt (epoch ms), node properties, log stream;
-- the state machine's stack outputs (StateMachineArn, ExperimentsQueueArn and, when the stack
-  exports them, TrainingInstanceType / SingleNodeInstanceType).
+- the state machine's stack outputs (StateMachineArn and, when the stack
+  exports them, TrainingInstanceType / SingleNodeInstanceType) and the storage stack's
+  (DataBucketName, ArtifactsBucketName).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from constructs import Construct
 
 from stacks.config import StageConfig
 from stacks.constructs.job_definitions import JobDefinitions
+from stacks.constructs.log_encryption import log_encryption_key
 from stacks.constructs.mlflow_tracking import MlflowTracking
 from stacks.constructs.retention import retention_days
 from stacks.constructs.trainium_compute import TrainiumCompute
@@ -24,7 +25,8 @@ from stacks.storage_stack import StorageStack
 
 
 class ComputeStack(Stack):
-    """Public attributes: queues (dict: "production", "experiments", "single-node"),
+    """Public attributes: queues (dict: "training", "single-node"; fair share decides between the
+    production and experiments share identifiers inside the training queue),
     job_definitions (dict: "sanity", "compile", "train", "prepare", "validate", "embed", "canary"),
     share_identifiers (tuple[str, ...]), compute_environments (dict: "training", "single-node"),
     job_role, job_log_group, image (ecs.ContainerImage), image_uri, compute, jobs (the constructs),
@@ -98,6 +100,7 @@ class ComputeStack(Stack):
                 **tracking_env,
             },
             log_retention=retention_days(cfg.log_retention_days),
+            log_key=log_encryption_key(self, "LogsKey", description=f"{config.project}-{config.name}: Batch job logs"),
         )
         # Which AMI a deploy actually used (the resolved SSM value when unpinned).
         CfnOutput(self, "NeuronAmiId", value=self.compute.machine_image.get_image(self).image_id,

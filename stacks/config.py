@@ -37,6 +37,15 @@ _AMI_RE = re.compile(r"^ami-[0-9a-f]{8}([0-9a-f]{9})?$")
 # AWS's current recommended ECS-optimized AL2023 Neuron AMI, per region (public SSM parameter).
 NEURON_AMI_SSM_PARAMETER = "/aws/service/ecs/optimized-ami/amazon-linux-2023/neuron/recommended/image_id"
 PINNED_AMIS_FILE = Path(__file__).with_name("neuron_amis.json")
+_AZ_ID_RE = re.compile(r"^[a-z]{2,}[0-9]+-az[0-9]+$")
+# Zone IDs start with an abbreviation of their region: us-east-1 -> use1, ap-southeast-2 -> apse2.
+_REGION_WORDS = {"north": "n", "south": "s", "east": "e", "west": "w", "central": "c", "northeast": "ne",
+                 "southeast": "se", "northwest": "nw", "southwest": "sw", "gov": "g"}
+_AZ_ID_HOWTO = (
+    "List the zone IDs that offer the training instance type with `aws ec2 describe-instance-type-offerings "
+    "--location-type availability-zone-id --filters Name=instance-type,Values=<type> --region <region> "
+    "--query 'InstanceTypeOfferings[].Location'` and pass one with `-c training_az_id=<zone id>`."
+)
 _SHARE_RE = re.compile(r"^[A-Za-z0-9_]{1,255}$")
 _VERSION_RE = re.compile(r"^\d+(\.\d+){1,3}$")
 # FSx for Lustre PERSISTENT_2: storage 1200 GiB or a multiple of 2400 GiB; throughput per TiB one
@@ -44,6 +53,15 @@ _VERSION_RE = re.compile(r"^\d+(\.\d+){1,3}$")
 _FSX_P2_THROUGHPUTS = (125, 250, 500, 1000)
 # Retention values CloudWatch Logs accepts (PutRetentionPolicy).
 LOG_RETENTION_DAYS = (1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1827, 3653)
+
+
+def zone_id_prefix(region: str) -> str | None:
+    """The prefix of `region`'s zone IDs ("us-east-1" -> "use1"), or None for a region name with a
+    word this table does not know (then only the zone ID's format is checked)."""
+    area, *words, number = region.split("-")
+    if not all(w in _REGION_WORDS for w in words):
+        return None
+    return area + "".join(_REGION_WORDS[w] for w in words) + number
 
 
 # ---------------------------------------------------------------------------------------------
@@ -59,12 +77,13 @@ class NetworkConfig:
     cdk.context.json afterwards). None = create a new VPC."""
     training_subnet_id: str | None = None
     """With vpc_id: the private subnet (in the training AZ) for nodes and FSx. Required then."""
-    training_availability_zone: str | None = None
-    """With vpc_id: the AZ of training_subnet_id. Required then."""
-    availability_zones: tuple[str, ...] = ()
-    """New VPC: its AZs, pinned so synth needs no lookup; the FIRST is the training AZ (nodes, FSx,
-    placement group). Pick one with trn1 capacity: AZ names map to different physical AZs per
-    account. Empty = ("<region>a", "<region>b")."""
+    training_az_id: str | None = None
+    """Zone ID (e.g. use1-az6, not a name like us-east-1a) of the one zone that holds the nodes,
+    FSx, the placement group and the endpoints. A zone ID is the same physical zone in every
+    account; names are shuffled per account, and trn1/trn1n exist only in some zones. No default:
+    set it per deployment with `-c training_az_id=...` (app.py), choosing a zone that offers the
+    training instance type (`aws ec2 describe-instance-type-offerings --location-type
+    availability-zone-id`, docs/infrastructure.md). With vpc_id, training_subnet_id must be in it."""
     cidr: str = "10.42.0.0/16"
     private_subnet_mask: int = 20
     """/20 = 4091 usable addresses: every EFA interface takes one, so 32 trn1n nodes need 512."""
@@ -76,10 +95,10 @@ class NetworkConfig:
 
     def __post_init__(self) -> None:
         if self.vpc_id is not None:
-            if not self.training_subnet_id or not self.training_availability_zone:
+            if not self.training_subnet_id:
                 raise ValueError(
-                    f"NetworkConfig.vpc_id={self.vpc_id!r} needs training_subnet_id and "
-                    "training_availability_zone (a private subnet in one AZ with trn1 capacity)."
+                    f"NetworkConfig.vpc_id={self.vpc_id!r} needs training_subnet_id (a private subnet in the "
+                    "training zone training_az_id)."
                 )
         elif self.training_subnet_id is not None:
             raise ValueError("NetworkConfig.training_subnet_id is only used with vpc_id; remove it or set vpc_id.")
@@ -88,8 +107,11 @@ class NetworkConfig:
                 "NetworkConfig: nodes in private subnets need VPC endpoints or NAT to pull images and "
                 "send logs; set vpc_endpoints=True or nat_gateways>=1."
             )
-        if len(self.availability_zones) > 6 or len(set(self.availability_zones)) != len(self.availability_zones):
-            raise ValueError(f"NetworkConfig.availability_zones={self.availability_zones}: up to 6 distinct AZs.")
+        if self.training_az_id is not None and not _AZ_ID_RE.match(self.training_az_id):
+            raise ValueError(
+                f"NetworkConfig.training_az_id={self.training_az_id!r} is not a zone ID; use an ID like 'use1-az6' "
+                f"(zone names like 'us-east-1a' differ per account). {_AZ_ID_HOWTO}"
+            )
         if not 16 <= self.private_subnet_mask <= 24:
             raise ValueError(
                 f"NetworkConfig.private_subnet_mask={self.private_subnet_mask}: use 16..24; every EFA "
@@ -147,13 +169,63 @@ class Share:
     weight: float
 
 
+_RESERVATION_ID_RE = re.compile(r"^cr-[0-9a-f]{17}$")
+_RESOURCE_GROUP_ARN_RE = re.compile(r"^arn:aws[a-z-]*:resource-groups:[a-z0-9-]+:\d{12}:group/[A-Za-z0-9_.-]+$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CapacityReservation:
+    """Reserved capacity the training nodes launch into (launch template
+    CapacityReservationSpecification): an On-Demand Capacity Reservation or a Capacity Block (by
+    id), or a Capacity Reservation resource group (by ARN). It must be for the training instance
+    type in the training zone.
+    https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/capacity-reservations-launch.html
+    https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/capacity-blocks-launch.html"""
+
+    reservation_id: str | None = None
+    """cr-... of an On-Demand Capacity Reservation or a Capacity Block."""
+    resource_group_arn: str | None = None
+    """A Capacity Reservation resource group instead (any reservation in it with matching attributes)."""
+    capacity_block: bool = False
+    """reservation_id is a Capacity Block: the instances use the capacity-block market type."""
+
+    def __post_init__(self) -> None:
+        if (self.reservation_id is None) == (self.resource_group_arn is None):
+            raise ValueError("CapacityReservation: set exactly one of reservation_id (cr-...) or resource_group_arn.")
+        if self.reservation_id is not None and not _RESERVATION_ID_RE.match(self.reservation_id):
+            raise ValueError(
+                f"CapacityReservation.reservation_id={self.reservation_id!r} is not a Capacity Reservation id "
+                "(cr- and 17 hex digits); list yours with `aws ec2 describe-capacity-reservations`."
+            )
+        if self.resource_group_arn is not None and not _RESOURCE_GROUP_ARN_RE.match(self.resource_group_arn):
+            raise ValueError(
+                f"CapacityReservation.resource_group_arn={self.resource_group_arn!r} is not a resource group ARN "
+                "(arn:aws:resource-groups:<region>:<account>:group/<name>)."
+            )
+        if self.capacity_block and self.reservation_id is None:
+            raise ValueError("CapacityReservation.capacity_block: a Capacity Block is targeted by its reservation_id.")
+
+    def launch_template_data(self) -> dict[str, object]:
+        """The LaunchTemplateData properties that target this capacity."""
+        target = ({"CapacityReservationId": self.reservation_id} if self.reservation_id
+                  else {"CapacityReservationResourceGroupArn": self.resource_group_arn})
+        data: dict[str, object] = {"CapacityReservationSpecification": {"CapacityReservationTarget": target}}
+        if self.capacity_block:
+            data["InstanceMarketOptions"] = {"MarketType": "capacity-block"}
+        return data
+
+
 @dataclass(frozen=True, kw_only=True)
 class ComputeConfig:
     """AWS Batch compute environments, queues and job definitions."""
 
     training_instance_type: str = "trn1.32xlarge"
     max_nodes: int = 4
-    """Largest multi-node job (and the CE's max vCPUs = vCPUs x max_nodes)."""
+    """Largest multi-node job (and the CE's max vCPUs = vCPUs x max_nodes). The account's Running
+    On-Demand Trn instances quota (vCPUs, per region) must cover `training_vcpus_needed`."""
+    training_capacity_reservation: CapacityReservation | None = None
+    """Launch the training nodes into this reserved capacity (ODCR or Capacity Block); None = plain
+    On-Demand. trn1 capacity for a whole cluster placement group is rarely free on demand."""
     single_node_instance_type: str = "trn1.2xlarge"
     single_node_max_instances: int = 4
     neuron_ami_ids: Mapping[str, str] = field(default_factory=dict)
@@ -262,6 +334,11 @@ class ComputeConfig:
     @property
     def single_node(self) -> InstanceSpec:
         return INSTANCE_TYPES[self.single_node_instance_type]
+
+    @property
+    def training_vcpus_needed(self) -> int:
+        """vCPUs of the largest training job: what the Trn On-Demand vCPU quota must allow."""
+        return self.training.vcpus * self.max_nodes
 
     @property
     def share_identifiers(self) -> tuple[str, ...]:
@@ -398,12 +475,12 @@ class StageConfig:
             raise ValueError(f"StageConfig.region={self.region!r}: not an AWS region name (e.g. us-east-1).")
         if self.account is not None and not re.match(r"^\d{12}$", self.account):
             raise ValueError(f"StageConfig.account={self.account!r}: a 12-digit AWS account id or None.")
-        for az in self.availability_zones:
-            if not re.match(rf"^{re.escape(self.region)}[a-z]$", az):
-                raise ValueError(
-                    f"Stage {self.name!r}: availability zone {az!r} is not in region {self.region!r}; fix "
-                    "network.availability_zones / network.training_availability_zone."
-                )
+        zone, prefix = self.network.training_az_id, zone_id_prefix(self.region)
+        if zone is not None and prefix is not None and not zone.startswith(f"{prefix}-"):
+            raise ValueError(
+                f"Stage {self.name!r}: training_az_id={zone!r} is not a zone of region {self.region!r} (its zone "
+                f"IDs start with '{prefix}-'). {_AZ_ID_HOWTO}"
+            )
         if self.pipeline.default_num_nodes > self.compute.max_nodes:
             raise ValueError(
                 f"Stage {self.name!r}: pipeline.default_num_nodes={self.pipeline.default_num_nodes} exceeds "
@@ -426,15 +503,16 @@ class StageConfig:
             )
 
     @property
-    def availability_zones(self) -> tuple[str, ...]:
-        """AZs of the VPC; the first is the training AZ."""
-        if self.network.vpc_id is not None:
-            return (str(self.network.training_availability_zone),)
-        return self.network.availability_zones or (f"{self.region}a", f"{self.region}b")
-
-    @property
-    def training_availability_zone(self) -> str:
-        return self.availability_zones[0]
+    def training_az_id(self) -> str:
+        """The training zone's ID; a ValueError with the fix-it when the deployment did not set it
+        (checked when the network stack is built, so other stages and tests stay importable)."""
+        if self.network.training_az_id is None:
+            raise ValueError(
+                f"Stage {self.name!r}: no training zone. Zone names map to different physical zones in every "
+                f"account and trn1/trn1n exist only in some zones, so the zone is chosen by ID per deployment. "
+                f"{_AZ_ID_HOWTO.replace('<region>', self.region)}"
+            )
+        return self.network.training_az_id
 
     @property
     def neuron_ami(self) -> NeuronAmi:
@@ -454,10 +532,11 @@ class StageConfig:
         )
 
     def with_env(self, *, account: str | None = None, region: str | None = None,
-                 git_commit: str | None = None) -> StageConfig:
-        """A copy targeting another account/region, or built from another commit (validated again)."""
+                 git_commit: str | None = None, training_az_id: str | None = None) -> StageConfig:
+        """A copy targeting another account/region/zone, or built from another commit (validated again)."""
+        network = replace(self.network, training_az_id=training_az_id) if training_az_id else self.network
         return replace(self, account=account or self.account, region=region or self.region,
-                       git_commit=git_commit or self.git_commit)
+                       git_commit=git_commit or self.git_commit, network=network)
 
 
 # ECS-optimized AL2023 Neuron AMI pins, from the committed file (empty until someone with AWS

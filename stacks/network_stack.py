@@ -13,17 +13,19 @@ from stacks.constructs.training_network import TrainingNetwork
 
 class NetworkStack(Stack):
     """Public attributes: vpc, training_subnet, training_subnets, efa_security_group,
-    fsx_security_group, placement_group, endpoint_security_group, network (the construct)."""
+    container_security_group, fsx_security_group, placement_group, endpoint_security_group,
+    network (the construct)."""
 
     def __init__(self, scope: Construct, construct_id: str, *, config: StageConfig, **kwargs: Any) -> None:
         super().__init__(scope, construct_id, **kwargs)
         self.network = TrainingNetwork(
-            self, "Network", config=config.network, availability_zones=config.availability_zones
+            self, "Network", config=config.network, training_az_id=config.training_az_id
         )
         self.vpc = self.network.vpc
         self.training_subnet = self.network.training_subnet
         self.training_subnets = self.network.training_subnets
         self.efa_security_group = self.network.efa_security_group
+        self.container_security_group = self.network.container_security_group
         self.fsx_security_group = self.network.fsx_security_group
         self.placement_group = self.network.placement_group
         self.endpoint_security_group = self.network.endpoint_security_group

@@ -59,7 +59,8 @@ class PipelineStack(Stack):
 
         CfnOutput(self, "StateMachineArn", value=self.pipeline.state_machine.state_machine_arn)
         CfnOutput(self, "TopicArn", value=self.topic.topic_arn)
-        CfnOutput(self, "ExperimentsQueueArn", value=queues["experiments"].job_queue_arn)
+        CfnOutput(self, "TrainingQueueArn", value=queues["training"].job_queue_arn,
+                  description="The fair-share training queue (production and experiments share identifiers)")
         CfnOutput(self, "DashboardName", value=self.monitoring.dashboard.dashboard_name)
         # trainium-runs prices each Batch job by these (pipeline_ops/cli.py Context.instance_types).
         CfnOutput(self, "TrainingInstanceType", value=instance_types["training"])

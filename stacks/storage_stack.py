@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from aws_cdk import Duration, RemovalPolicy, Stack
+from aws_cdk import CfnOutput, Duration, RemovalPolicy, Stack
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_kms as kms
 from aws_cdk import aws_s3 as s3
@@ -86,6 +86,12 @@ class StorageStack(Stack):
             artifacts_bucket=self.artifacts_bucket,
         )
         self.file_system = self.lustre.file_system
+
+        # What operators and trainium-runs need: where to upload data, where runs land.
+        CfnOutput(self, "DataBucketName", value=self.data_bucket.bucket_name,
+                  description="Upload datasets to s3://<this>/incoming/<dataset>/<version>/ (then _SUCCESS)")
+        CfnOutput(self, "ArtifactsBucketName", value=self.artifacts_bucket.bucket_name,
+                  description="Runs (s3://<this>/runs/<run id>/) and the published model (models/current.json)")
 
         NagSuppressions.add_resource_suppressions(
             self.log_bucket,

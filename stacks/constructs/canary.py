@@ -4,8 +4,12 @@ EventBridge Scheduler's universal target calls batch:SubmitJob directly, because
 EventBridge Batch target has no ShareIdentifier and the single-node queue is fair-share
 (https://docs.aws.amazon.com/scheduler/latest/UserGuide/managing-targets-universal.html).
 Outcome: a rule on the canary job's SUCCEEDED events (logged to a log group, which also keeps the
-history); the alarm watches that rule's TriggeredRules metric: no success within two intervals
-(a failure, a skipped schedule, a job stuck RUNNABLE) -> ALARM. Missing data is breaching.
+history). The alarm compares, per window of two intervals, the schedule's invocation attempts
+(its own schedule group's InvocationAttemptCount) with that rule's TriggeredRules: two canaries
+submitted and none succeeded (a failure, a failed submission, a job stuck RUNNABLE) -> ALARM.
+Right after a deploy nothing was submitted yet, so the alarm stays OK instead of breaching on the
+missing success metric
+(https://docs.aws.amazon.com/scheduler/latest/UserGuide/monitoring-cloudwatch.html).
 A rule on FAILED events notifies at once with the status reason.
 """
 
@@ -48,8 +52,11 @@ class Canary(Construct):
             submit["NodeOverrides"] = {"NumNodes": config.canary_num_nodes}
         if queue.scheduling_policy is not None:
             submit["ShareIdentifier"] = config.production_share
+        # Its own group, so the group's metrics count the canary's invocations only.
+        self.schedule_group = scheduler.ScheduleGroup(self, "Group")
         self.schedule = scheduler.Schedule(
             self, "Schedule",
+            schedule_group=self.schedule_group,
             schedule=scheduler.ScheduleExpression.rate(Duration.minutes(minutes)),
             description=f"Canary: sanity job on the single-node queue every {minutes} minutes",
             target=scheduler_targets.Universal(
@@ -61,6 +68,8 @@ class Canary(Construct):
                 retry_attempts=3,
             ),
         )
+        # The group's name is a literal, so CloudFormation would not otherwise order the two.
+        self.schedule.node.add_dependency(self.schedule_group)
 
         detail = {"jobDefinition": [job_definition.job_definition_arn], "jobQueue": [queue.job_queue_arn]}
         self.success_rule = events.Rule(
@@ -78,16 +87,21 @@ class Canary(Construct):
 
         # Two intervals: one late run (cold instance start) is not an outage.
         window = Duration.minutes(min(2 * minutes, 24 * 60))
+        submitted = self.schedule_group.metric_attempts(statistic="Sum", period=window)
+        succeeded = cw.Metric(namespace="AWS/Events", metric_name="TriggeredRules",
+                              dimensions_map={"RuleName": self.success_rule.rule_name}, statistic="Sum", period=window)
         self.alarm = cw.Alarm(
             self, "NotSucceedingAlarm",
-            alarm_description=f"No successful canary job in {window.to_minutes()} minutes: it failed, did not run, "
-                              "or waits in RUNNABLE (capacity).",
-            metric=cw.Metric(namespace="AWS/Events", metric_name="TriggeredRules",
-                             dimensions_map={"RuleName": self.success_rule.rule_name},
-                             statistic="Sum", period=window),
+            alarm_description=f"Two canary jobs were submitted in {window.to_minutes()} minutes and none succeeded: "
+                              "they failed, were not accepted, or wait in RUNNABLE (capacity).",
+            metric=cw.MathExpression(
+                expression="IF(FILL(submitted, 0) >= 2 AND FILL(succeeded, 0) < 1, 1, 0)",
+                using_metrics={"submitted": submitted, "succeeded": succeeded},
+                period=window, label="Canaries submitted without a success"),
             threshold=1, evaluation_periods=1,
-            comparison_operator=cw.ComparisonOperator.LESS_THAN_THRESHOLD,
-            treat_missing_data=cw.TreatMissingData.BREACHING,
+            comparison_operator=cw.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
+            # No data = nothing submitted yet (a fresh deploy): not an outage.
+            treat_missing_data=cw.TreatMissingData.NOT_BREACHING,
         )
         self.alarm.add_alarm_action(cw_actions.SnsAction(topic))
         self.alarm.add_ok_action(cw_actions.SnsAction(topic))

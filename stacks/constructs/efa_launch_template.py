@@ -5,6 +5,8 @@
   Batch launches into the compute environment's subnet (the single training subnet).
   Instance types without EFA (trn1.2xlarge) declare no interfaces; their compute environment then
   carries the security group instead.
+- Optional reserved capacity (an On-Demand Capacity Reservation or Capacity Block by id, or a
+  reservation group) for the training nodes: stacks/config.py CapacityReservation.
 - >= 200 GB gp3 encrypted root volume, IMDSv2 required (hop limit 1: containers get credentials
   from the ECS task-role endpoint, never from the instance role), terminate on shutdown so the
   fail-fast checks below remove a bad host instead of leaving it stopped.
@@ -18,7 +20,7 @@ from __future__ import annotations
 from aws_cdk import aws_ec2 as ec2
 from constructs import Construct
 
-from stacks.config import InstanceSpec
+from stacks.config import CapacityReservation, InstanceSpec
 
 FSX_MOUNT_POINT = "/fsx"
 
@@ -120,6 +122,7 @@ class EfaLaunchTemplate(Construct):
         min_driver: str,
         fsx_dns_name: str,
         fsx_mount_name: str,
+        capacity_reservation: CapacityReservation | None = None,
     ) -> None:
         super().__init__(scope, construct_id)
         self.spec = spec
@@ -149,3 +152,9 @@ class EfaLaunchTemplate(Construct):
             cfn = self.launch_template.node.default_child
             assert isinstance(cfn, ec2.CfnLaunchTemplate)
             cfn.add_property_override("LaunchTemplateData.NetworkInterfaces", self.interfaces)
+        if capacity_reservation is not None:
+            # The L2 has no capacity-reservation property either.
+            cfn = self.launch_template.node.default_child
+            assert isinstance(cfn, ec2.CfnLaunchTemplate)
+            for name, value in capacity_reservation.launch_template_data().items():
+                cfn.add_property_override(f"LaunchTemplateData.{name}", value)

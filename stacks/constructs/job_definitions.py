@@ -27,6 +27,7 @@ from aws_cdk import aws_batch as batch
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_ecs as ecs
 from aws_cdk import aws_iam as iam
+from aws_cdk import aws_kms as kms
 from aws_cdk import aws_logs as logs
 from constructs import Construct
 
@@ -158,6 +159,7 @@ class JobDefinitions(Construct):
         short_timeout: Duration,
         environment: Mapping[str, str],
         log_retention: logs.RetentionDays,
+        log_key: kms.IKey,
     ) -> None:
         super().__init__(scope, construct_id)
         self.job_role = iam.Role(
@@ -168,7 +170,7 @@ class JobDefinitions(Construct):
             self, "ExecutionRole", assumed_by=iam.ServicePrincipal("ecs-tasks.amazonaws.com"),
             description="ECS agent: pull the training image, write container logs",
         )
-        self.log_group = logs.LogGroup(self, "JobLogs", retention=log_retention)
+        self.log_group = logs.LogGroup(self, "JobLogs", retention=log_retention, encryption_key=log_key)
         self.log_group.grant_write(self.execution_role)
         base_env = {"AWS_DEFAULT_REGION": Stack.of(self).region, **environment}
         self.job_definitions: dict[str, batch.IJobDefinition] = {}

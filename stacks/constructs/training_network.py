@@ -1,15 +1,23 @@
-"""The training network: VPC (new or existing), one training subnet/AZ, cluster placement group,
-EFA and FSx security groups, VPC endpoints and flow logs.
+"""The training network: VPC (new or existing) in one zone chosen by zone ID, cluster placement
+group, the security groups of nodes, containers and FSx, VPC endpoints and flow logs.
 
-Facts this encodes (../shared/DESIGN.md section 5):
+Facts this encodes:
 - Instances with several network interfaces get no public IP, so nodes sit in private subnets and
   reach AWS APIs through VPC endpoints (and/or NAT).
 - The EFA security group must allow all traffic in and out to itself
   (https://docs.aws.amazon.com/batch/latest/userguide/efa.html).
-- FSx for Lustre needs TCP 988 and 1018-1023 from its clients and itself (the FSx docs list
-  1018-1023; older guides and templates say 1021-1023, which this range contains):
-  https://docs.aws.amazon.com/fsx/latest/LustreGuide/limit-access-security-groups.html
-- One AZ, one cluster placement group, FSx in the same subnet.
+- Multi-node parallel containers use the awsvpc network mode: each gets its own network interface
+  with the compute environment's security groups, or the VPC's default security group when the
+  compute environment has none (https://docs.aws.amazon.com/batch/latest/userguide/mnp-ce.html).
+  The training compute environment has none (they live on its EFA interfaces), so the default
+  group is the containers' group: all traffic between the containers, HTTPS out, Lustre to FSx.
+- FSx for Lustre needs TCP 988 and 1018-1023 in and out between the file system's group and its
+  clients' groups, and within the file system's group (1018-1023 contains the 1021-1023 older
+  guides give): https://docs.aws.amazon.com/fsx/latest/LustreGuide/limit-access-security-groups.html
+- Zones by ID: a zone ID (use1-az6) is the same physical zone in every account, a zone name
+  (us-east-1a) is not; the subnets use AvailabilityZoneId, so no template names a zone
+  (https://docs.aws.amazon.com/global-infrastructure/latest/regions/az-ids.html).
+- One zone, one cluster placement group, FSx in the same subnet.
 """
 
 from __future__ import annotations
@@ -41,52 +49,21 @@ INTERFACE_ENDPOINTS: tuple[tuple[str, ec2.InterfaceVpcEndpointAwsService], ...] 
 
 class TrainingNetwork(Construct):
     """Public attributes: vpc, training_subnet, training_subnets (SubnetSelection of the one
-    training subnet), efa_security_group (nodes; EFA interfaces), fsx_security_group,
+    training subnet), efa_security_group (nodes; EFA interfaces), container_security_group (the
+    VPC's default group, imported; None for an existing VPC), fsx_security_group,
     placement_group, endpoint_security_group (None when no interface endpoints)."""
 
-    def __init__(
-        self,
-        scope: Construct,
-        construct_id: str,
-        *,
-        config: NetworkConfig,
-        availability_zones: tuple[str, ...],
-    ) -> None:
+    def __init__(self, scope: Construct, construct_id: str, *, config: NetworkConfig, training_az_id: str) -> None:
         super().__init__(scope, construct_id)
-        training_az = availability_zones[0]
-
         # -- VPC ---------------------------------------------------------------------------
         if config.vpc_id is not None:
             # Only when configured: a lookup needs credentials once, then cdk.context.json.
             self.vpc = ec2.Vpc.from_lookup(self, "Vpc", vpc_id=config.vpc_id)
             self.training_subnet = ec2.Subnet.from_subnet_attributes(
-                self,
-                "TrainingSubnet",
-                subnet_id=str(config.training_subnet_id),
-                availability_zone=training_az,
+                self, "TrainingSubnet", subnet_id=str(config.training_subnet_id), availability_zone=training_az_id
             )
         else:
-            private_type = (
-                ec2.SubnetType.PRIVATE_WITH_EGRESS if config.nat_gateways > 0 else ec2.SubnetType.PRIVATE_ISOLATED
-            )
-            subnets = [ec2.SubnetConfiguration(name="Private", subnet_type=private_type, cidr_mask=config.private_subnet_mask)]
-            if config.nat_gateways > 0:
-                subnets.insert(0, ec2.SubnetConfiguration(name="Public", subnet_type=ec2.SubnetType.PUBLIC, cidr_mask=24))
-            self.vpc = ec2.Vpc(
-                self,
-                "Vpc",
-                ip_addresses=ec2.IpAddresses.cidr(config.cidr),
-                availability_zones=list(availability_zones),
-                nat_gateways=config.nat_gateways,
-                subnet_configuration=subnets,
-                # Private DNS of the interface endpoints needs both.
-                enable_dns_hostnames=True,
-                enable_dns_support=True,
-                restrict_default_security_group=True,
-            )
-            self.training_subnet = self.vpc.select_subnets(
-                subnet_type=private_type, availability_zones=[training_az]
-            ).subnets[0]
+            self.vpc, self.training_subnet = self._new_vpc(config, training_az_id)
         self.training_subnets = ec2.SubnetSelection(subnets=[self.training_subnet])
 
         # -- Security groups ---------------------------------------------------------------
@@ -98,15 +75,6 @@ class TrainingNetwork(Construct):
             description="Trainium nodes and EFA interfaces: all traffic to and from itself",
             allow_all_outbound=False,
         )
-        self.efa_security_group.add_ingress_rule(
-            self.efa_security_group, ec2.Port.all_traffic(), "EFA/collectives: all traffic from itself"
-        )
-        self.efa_security_group.add_egress_rule(
-            self.efa_security_group, ec2.Port.all_traffic(), "EFA/collectives: all traffic to itself"
-        )
-        # HTTPS to AWS APIs (interface endpoints, S3 gateway, NAT when configured).
-        self.efa_security_group.add_egress_rule(ec2.Peer.any_ipv4(), ec2.Port.tcp(443), "HTTPS to AWS APIs")
-
         self.fsx_security_group = ec2.SecurityGroup(
             self,
             "FsxSecurityGroup",
@@ -115,12 +83,13 @@ class TrainingNetwork(Construct):
             allow_all_outbound=False,
         )
         for low, high in LUSTRE_PORTS:
-            port = ec2.Port.tcp(low) if low == high else ec2.Port.tcp_range(low, high)
-            self.fsx_security_group.add_ingress_rule(self.efa_security_group, port, "Lustre from nodes")
+            port = _tcp(low, high)
             self.fsx_security_group.add_ingress_rule(self.fsx_security_group, port, "Lustre between file servers")
             self.fsx_security_group.add_egress_rule(self.fsx_security_group, port, "Lustre between file servers")
-            self.fsx_security_group.add_egress_rule(self.efa_security_group, port, "Lustre replies to nodes")
-            self.efa_security_group.add_egress_rule(self.fsx_security_group, port, "Lustre client to FSx")
+        self._allow_cluster_traffic(self.efa_security_group, "EFA/collectives")
+        self.container_security_group: ec2.ISecurityGroup | None = None
+        if isinstance(self.vpc, ec2.Vpc):
+            self.container_security_group = self._container_security_group(self.vpc)
 
         # -- Placement group: all nodes of a job on one low-latency network spine ----------
         self.placement_group = ec2.PlacementGroup(
@@ -136,12 +105,11 @@ class TrainingNetwork(Construct):
                 self,
                 "EndpointSecurityGroup",
                 vpc=self.vpc,
-                description="Interface VPC endpoints: HTTPS from Trainium nodes",
+                description="Interface VPC endpoints: HTTPS from Trainium nodes and their containers",
                 allow_all_outbound=False,
             )
-            self.endpoint_security_group.add_ingress_rule(
-                self.efa_security_group, ec2.Port.tcp(443), "HTTPS from Trainium nodes"
-            )
+            for clients in self._https_clients():
+                self.endpoint_security_group.add_ingress_rule(clients, ec2.Port.tcp(443), "HTTPS from nodes/containers")
             for endpoint_id, service in INTERFACE_ENDPOINTS:
                 self.vpc.add_interface_endpoint(
                     endpoint_id,
@@ -167,3 +135,69 @@ class TrainingNetwork(Construct):
             destination=ec2.FlowLogDestination.to_cloud_watch_logs(flow_log_group),
             traffic_type=ec2.FlowLogTrafficType.ALL,
         )
+
+    # -- builders ------------------------------------------------------------------------------
+    def _new_vpc(self, config: NetworkConfig, training_az_id: str) -> tuple[ec2.Vpc, ec2.ISubnet]:
+        """A one-zone VPC whose subnets name their zone by ID. The L2 takes zone names; it is
+        given the zone ID as the name (it does not validate offline) and every subnet's
+        AvailabilityZone is then replaced by AvailabilityZoneId."""
+        private_type = (
+            ec2.SubnetType.PRIVATE_WITH_EGRESS if config.nat_gateways > 0 else ec2.SubnetType.PRIVATE_ISOLATED
+        )
+        subnets = [ec2.SubnetConfiguration(name="Private", subnet_type=private_type, cidr_mask=config.private_subnet_mask)]
+        if config.nat_gateways > 0:
+            subnets.insert(0, ec2.SubnetConfiguration(name="Public", subnet_type=ec2.SubnetType.PUBLIC, cidr_mask=24))
+        vpc = ec2.Vpc(
+            self,
+            "Vpc",
+            ip_addresses=ec2.IpAddresses.cidr(config.cidr),
+            availability_zones=[training_az_id],
+            nat_gateways=config.nat_gateways,
+            subnet_configuration=subnets,
+            # Private DNS of the interface endpoints needs both.
+            enable_dns_hostnames=True,
+            enable_dns_support=True,
+            # Strips the default group's allow-all rules; _container_security_group adds back
+            # only what the containers need.
+            restrict_default_security_group=True,
+        )
+        for subnet in [*vpc.public_subnets, *vpc.private_subnets, *vpc.isolated_subnets]:
+            cfn = subnet.node.default_child
+            assert isinstance(cfn, ec2.CfnSubnet)
+            cfn.add_property_deletion_override("AvailabilityZone")
+            cfn.add_property_override("AvailabilityZoneId", training_az_id)
+        return vpc, vpc.select_subnets(subnet_type=private_type).subnets[0]
+
+    def _allow_cluster_traffic(self, group: ec2.ISecurityGroup, what: str) -> None:
+        """All traffic within `group`, HTTPS out (interface endpoints, the S3 gateway, NAT when
+        configured; nothing comes in from outside the VPC), Lustre both ways with FSx."""
+        group.add_ingress_rule(group, ec2.Port.all_traffic(), f"{what}: all traffic from itself")
+        group.add_egress_rule(group, ec2.Port.all_traffic(), f"{what}: all traffic to itself")
+        group.add_egress_rule(ec2.Peer.any_ipv4(), ec2.Port.tcp(443), "HTTPS to AWS APIs")
+        for low, high in LUSTRE_PORTS:
+            port = _tcp(low, high)
+            group.add_egress_rule(self.fsx_security_group, port, "Lustre client to FSx")
+            group.add_ingress_rule(self.fsx_security_group, port, "Lustre from FSx")
+            self.fsx_security_group.add_ingress_rule(group, port, f"Lustre from {what}")
+            self.fsx_security_group.add_egress_rule(group, port, f"Lustre to {what}")
+
+    def _container_security_group(self, vpc: ec2.Vpc) -> ec2.ISecurityGroup:
+        """The VPC's default group, which multi-node containers' awsvpc interfaces get: torchrun's
+        store, the Neuron root communicator and the collectives bootstrap talk container to
+        container on it, and S3, ECR, the compile cache and MLflow are reached over HTTPS.
+        Its rules are created after the custom resource that strips the default rules."""
+        group = ec2.SecurityGroup.from_security_group_id(
+            self, "ContainerSecurityGroup", vpc.vpc_default_security_group, allow_all_outbound=False, mutable=True
+        )
+        self._allow_cluster_traffic(group, "Multi-node containers")
+        restrict = vpc.node.try_find_child("RestrictDefaultSecurityGroupCustomResource")
+        assert restrict is not None, "restrict_default_security_group=True creates this custom resource"
+        group.node.add_dependency(restrict)
+        return group
+
+    def _https_clients(self) -> list[ec2.ISecurityGroup]:
+        return [g for g in (self.efa_security_group, self.container_security_group) if g is not None]
+
+
+def _tcp(low: int, high: int) -> ec2.Port:
+    return ec2.Port.tcp(low) if low == high else ec2.Port.tcp_range(low, high)

@@ -9,8 +9,10 @@ Execution input (every field optional; defaults come from PipelineConfig, merged
 Pass states with States.JsonMerge, input wins):
     {"dataset": str, "version": str, "data_uri": "/fsx/data/incoming/<dataset>/<version>",
      "init_from": "/fsx/runs/<run>" (default: the published model, else "" = from scratch),
-     "num_nodes": int, "share": str, "priority": int, "embed_shards": int,
-     "training_queue": queue ARN (default: the production queue)}
+     "num_nodes": int, "share": str, "priority": int, "embed_shards": int}
+"share" must be a share identifier of the training queue's fair-share policy (CheckShare fails the
+run otherwise: Batch would accept an undefined identifier with the default weight); production
+and experiment runs go to the same training queue, where the shares' weights decide.
 The run id is the execution name; every job gets it as the Batch parameter `run_id`, so all steps
 of one run share /fsx/runs/<run_id>.
 """
@@ -70,6 +72,15 @@ def _has_fair_share(queue: batch.IJobQueue) -> bool:
     return queue.scheduling_policy is not None
 
 
+def _policy_shares(queue: batch.IJobQueue) -> tuple[str, ...]:
+    """The share identifiers the queue's fair-share policy defines (what CheckShare accepts)."""
+    policy = queue.scheduling_policy
+    if not isinstance(policy, batch.FairshareSchedulingPolicy) or not policy.shares:
+        raise ValueError("TrainingPipeline: the training queue needs a fair-share policy with shares; every "
+                         "submission names a share identifier.")
+    return tuple(share.share_identifier for share in policy.shares)
+
+
 class TrainingPipeline(Construct):
     """The Standard state machine, its KMS-encrypted log group and its least-privilege role.
 
@@ -89,7 +100,7 @@ class TrainingPipeline(Construct):
         key: kms.IKey,
     ) -> None:
         super().__init__(scope, construct_id)
-        for name in ("production", "experiments", "single-node"):
+        for name in ("training", "single-node"):
             if name not in queues:
                 raise ValueError(f"TrainingPipeline: queues has no {name!r} queue (got {sorted(queues)}).")
         for step in STEPS:
@@ -127,7 +138,6 @@ class TrainingPipeline(Construct):
             "share": config.production_share,
             "priority": config.default_priority,
             "embed_shards": config.embed_array_size,
-            "training_queue": queues["production"].job_queue_arn,
         }))
         apply_defaults = self._raw("ApplyDefaults", {
             "Type": "Pass",
@@ -136,6 +146,14 @@ class TrainingPipeline(Construct):
                 "run_id.$": "$$.Execution.Name",
             },
         })
+
+        # ---- the share must be one the training queue's policy defines -------------------------
+        shares = _policy_shares(queues["training"])
+        check_share = sfn.Choice(self, "CheckShare")
+        check_share.when(
+            sfn.Condition.not_(sfn.Condition.or_(*[sfn.Condition.string_equals("$.run.share", s) for s in shares])),
+            sfn.Fail(self, "UnknownShare", error="UnknownShare",
+                     cause=f"Input 'share' must be one of the fair-share identifiers {list(shares)}."))
 
         # ---- incremental training: init_from from the input, else the published model --------
         read_current = self._raw("ReadCurrentModel", {
@@ -246,7 +264,8 @@ class TrainingPipeline(Construct):
 
         # ---- the chain -------------------------------------------------------------------------
         defaults.next(apply_defaults)
-        apply_defaults.next(has_init_from)
+        apply_defaults.next(check_share)
+        check_share.otherwise(has_init_from)
         batch_states["Prepare"].next(batch_states["Sanity"])
         batch_states["Sanity"].next(batch_states["Compile"])
         batch_states["Compile"].next(batch_states["Train"])
@@ -292,7 +311,7 @@ class TrainingPipeline(Construct):
 
     def _submit(self, step: BatchStep) -> sfn.CustomState:
         cfg = self._cfg
-        queue = self._queues["production"] if step.multi_node else self._queues["single-node"]
+        queue = self._queues["training"] if step.multi_node else self._queues["single-node"]
         params: dict = {
             "JobName": step.name.lower(),
             "JobDefinition": self._job_definitions[step.job_definition].job_definition_arn,
@@ -305,13 +324,10 @@ class TrainingPipeline(Construct):
         }
         if step.multi_node:
             # Sanity and Compile use the Train node count: the compile cache is keyed by world size.
-            params["JobQueue.$"] = "$.run.training_queue"
             params["NodeOverrides"] = {"NumNodes.$": "$.run.num_nodes"}
+        params["JobQueue"] = queue.job_queue_arn
+        if _has_fair_share(queue):
             params["ShareIdentifier.$"] = "$.run.share"
-        else:
-            params["JobQueue"] = queue.job_queue_arn
-            if _has_fair_share(queue):
-                params["ShareIdentifier.$"] = "$.run.share"
         if step.name == "Validate":
             # The validate job definition runs with --gate-report-only (exit 0 on a failed gate:
             # the decision is data for the Choice) and uploads gate.json to gate_s3_uri itself,

@@ -12,8 +12,13 @@ CDK L2 pitfalls handled here (DESIGN.md section 5):
 - The AMI is an image override with imageType ECS_AL2023 (Batch has no Neuron image type): a
   pinned id, or for stages that allow it the SSM parameter CloudFormation resolves at deploy time
   (`neuron_machine_image`; stacks/config.py ComputeConfig.allow_unpinned_ami).
-- The fair-share policy is attached when the queues are created (it cannot be added later) and
-  `jobStateTimeLimitActions` cancel jobs stuck RUNNABLE.
+- One fair-share queue per compute environment. Batch tracks share identifiers per job queue and
+  does not aggregate them across queues
+  (https://docs.aws.amazon.com/batch/latest/userguide/share-identifiers.html), so production and
+  experiment runs share ONE training queue and their share identifiers' weights decide between
+  them; two queues on one compute environment would be ordered by queue priority instead and the
+  weights would never act. The policy is attached when the queues are created (it cannot be added
+  later) and `jobStateTimeLimitActions` cancel jobs stuck RUNNABLE.
 """
 
 from __future__ import annotations
@@ -24,15 +29,11 @@ from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_iam as iam
 from constructs import Construct
 
-from stacks.config import ComputeConfig, InstanceSpec, NeuronAmi
+from stacks.config import CapacityReservation, ComputeConfig, InstanceSpec, NeuronAmi
 from stacks.constructs.efa_launch_template import EfaLaunchTemplate
 
-# Queue name -> (compute environment key, priority). Priority only orders queues sharing a CE.
-QUEUES: dict[str, tuple[str, int]] = {
-    "production": ("training", 100),
-    "experiments": ("training", 10),
-    "single-node": ("single-node", 50),
-}
+# Queue name -> its compute environment's key: one queue each (see the module docstring).
+QUEUES: dict[str, str] = {"training": "training", "single-node": "single-node"}
 
 
 UNPINNED_AMI_WARNING_ID = "trnembed:unpinnedNeuronAmi"
@@ -57,8 +58,8 @@ def neuron_machine_image(scope: Construct, ami: NeuronAmi, region: str) -> ec2.I
 
 class TrainiumCompute(Construct):
     """Public attributes: launch_templates and compute_environments (dicts keyed "training",
-    "single-node"), instance_role, scheduling_policy, queues (dict keyed "production",
-    "experiments", "single-node"), share_identifiers, machine_image."""
+    "single-node"), instance_role, scheduling_policy, queues (dict keyed "training",
+    "single-node"), share_identifiers, machine_image."""
 
     def __init__(
         self,
@@ -90,12 +91,13 @@ class TrainiumCompute(Construct):
 
         self.launch_templates: dict[str, EfaLaunchTemplate] = {}
         self.compute_environments: dict[str, batch.ManagedEc2EcsComputeEnvironment] = {}
-        for key, spec, max_instances, placement in (
-            ("training", config.training, config.max_nodes, placement_group),
-            ("single-node", config.single_node, config.single_node_max_instances, None),
+        for key, spec, max_instances, placement, reservation in (
+            ("training", config.training, config.max_nodes, placement_group, config.training_capacity_reservation),
+            ("single-node", config.single_node, config.single_node_max_instances, None, None),
         ):
             self._compute_environment(
                 key, spec=spec, max_instances=max_instances, placement_group=placement, config=config,
+                capacity_reservation=reservation,
                 image=image, vpc=vpc, subnets=subnets, node_security_group=node_security_group,
                 fsx_dns_name=fsx_dns_name, fsx_mount_name=fsx_mount_name,
             )
@@ -125,7 +127,7 @@ class TrainiumCompute(Construct):
             )
         ]
         self.queues: dict[str, batch.JobQueue] = {}
-        for name, (ce_key, priority) in QUEUES.items():
+        for name, ce_key in QUEUES.items():
             construct_name = "".join(part.capitalize() for part in name.split("-"))
             self.queues[name] = batch.JobQueue(
                 self,
@@ -133,21 +135,20 @@ class TrainiumCompute(Construct):
                 compute_environments=[
                     batch.OrderedComputeEnvironment(compute_environment=self.compute_environments[ce_key], order=1)
                 ],
-                priority=priority,
                 scheduling_policy=self.scheduling_policy,
                 job_state_time_limit_actions=stuck,
             )
 
     def _compute_environment(
         self, key: str, *, spec: InstanceSpec, max_instances: int, placement_group: ec2.IPlacementGroup | None,
-        config: ComputeConfig, image: batch.EcsMachineImage, vpc: ec2.IVpc, subnets: ec2.SubnetSelection,
-        node_security_group: ec2.ISecurityGroup, fsx_dns_name: str, fsx_mount_name: str,
+        config: ComputeConfig, capacity_reservation: CapacityReservation | None, image: batch.EcsMachineImage,
+        vpc: ec2.IVpc, subnets: ec2.SubnetSelection, node_security_group: ec2.ISecurityGroup, fsx_dns_name: str, fsx_mount_name: str,
     ) -> None:
         prefix = "".join(part.capitalize() for part in key.split("-"))
         template = EfaLaunchTemplate(
             self, f"{prefix}LaunchTemplate", spec=spec, security_group=node_security_group,
             root_volume_gib=config.root_volume_gib, min_driver=config.min_neuron_driver_version,
-            fsx_dns_name=fsx_dns_name, fsx_mount_name=fsx_mount_name,
+            fsx_dns_name=fsx_dns_name, fsx_mount_name=fsx_mount_name, capacity_reservation=capacity_reservation,
         )
         has_interfaces = bool(template.interfaces)
         ce = batch.ManagedEc2EcsComputeEnvironment(

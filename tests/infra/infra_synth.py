@@ -32,6 +32,8 @@ from stacks.stages import build_stage  # noqa: E402
 TEST_ACCOUNT = "123456789012"
 TEST_IMAGE = "public.ecr.aws/neuron/pytorch-training-neuronx:2.9.0-neuronx-py312-sdk2.30.0-ubuntu24.04"
 SNAPSHOT_DIR = Path(__file__).resolve().parent / "snapshots"
+SNAPSHOT_STAGES = ("dev", "prod")
+"""Stages with committed template snapshots: prod is the one deployed, so reviewers see it change."""
 
 
 def cdk_json_context() -> dict[str, Any]:
@@ -41,12 +43,15 @@ def cdk_json_context() -> dict[str, Any]:
 # NOT a real image: prod requires a pinned Neuron AMI and stacks/neuron_amis.json is empty as
 # committed, so the tests pin this obviously fake id for prod (never deployed anywhere).
 TEST_ONLY_AMI_ID = "ami-00000000000000000"
+# A zone ID of the stages' region for synthesis; a deployment passes its own (-c training_az_id).
+TEST_TRAINING_AZ_ID = "use1-az6"
 
 
 def stage_config(name: str) -> StageConfig:
-    """The stage as deployed, with the test account; prod gets TEST_ONLY_AMI_ID pinned for its
-    region (dev keeps its real policy, so its snapshot is what `make synth` produces)."""
-    cfg = get_stage(name).with_env(account=TEST_ACCOUNT)
+    """The stage as deployed, with the test account and TEST_TRAINING_AZ_ID; prod gets
+    TEST_ONLY_AMI_ID pinned for its region (dev keeps its real policy, so its snapshot is what
+    `make synth` with that zone produces)."""
+    cfg = get_stage(name).with_env(account=TEST_ACCOUNT, training_az_id=TEST_TRAINING_AZ_ID)
     if name == "prod":
         pins = {**cfg.compute.neuron_ami_ids, cfg.region: TEST_ONLY_AMI_ID}
         cfg = replace(cfg, compute=replace(cfg.compute, neuron_ami_ids=pins))

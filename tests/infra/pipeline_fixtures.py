@@ -38,7 +38,7 @@ class StandInDependencies(Stack):
         self.queues = {name: batch.JobQueue(self, f"Queue-{name}", scheduling_policy=policy,
                                             compute_environments=[batch.OrderedComputeEnvironment(
                                                 compute_environment=ce, order=1)])
-                       for name in ("production", "experiments", "single-node")}
+                       for name in ("training", "single-node")}
         image = ecs.ContainerImage.from_registry(IMAGE)
         self.job_definitions = {
             name: batch.EcsJobDefinition(self, f"Job-{name}", container=batch.EcsEc2ContainerDefinition(

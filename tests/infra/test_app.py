@@ -24,13 +24,18 @@ def _app(*args: str, context: str | None = None, tmp_path) -> subprocess.Complet
 def test_command_line_context_is_refused_with_the_usage(tmp_path):
     result = _app("-c", "stage=prod", tmp_path=tmp_path)
     assert result.returncode == 2
-    assert "CDK_CONTEXT_JSON='{\"stage\":\"prod\"}' python app.py" in result.stderr
+    assert "CDK_CONTEXT_JSON='{\"stage\":\"prod\",\"training_az_id\":\"<zone id>\"}' python app.py" in result.stderr
 
 
 @pytest.mark.parametrize(("context", "expected"), [
     # prod (and the region) are honoured: prod fails on its AMI policy (no pin for that region),
     # which dev would not.
-    ('{"stage":"prod","region":"eu-north-1"}', "Stage 'prod': no Neuron AMI pinned for region 'eu-north-1'"),
+    ('{"stage":"prod","region":"eu-north-1","training_az_id":"eun1-az1"}',
+     "Stage 'prod': no Neuron AMI pinned for region 'eu-north-1'"),
+    # The training zone comes from the context, by ID, checked against the region.
+    ('{"stage":"dev"}', "Stage 'dev': no training zone"),
+    ('{"stage":"dev","training_az_id":"us-east-1a"}', "training_az_id='us-east-1a' is not a zone ID"),
+    ('{"stage":"dev","region":"eu-north-1","training_az_id":"use1-az6"}', "is not a zone of region 'eu-north-1'"),
     ('{"stage":"qa"}', "Unknown stage 'qa'"),
 ])
 def test_stage_comes_from_cdk_context_json(tmp_path, context, expected):

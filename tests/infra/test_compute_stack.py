@@ -194,9 +194,9 @@ def test_fair_share_policy(dev_templates, dev_config, dev_stage):
 
 
 def test_queues_have_policy_and_cancel_stuck_runnable_jobs(dev_templates, dev_stage, dev_config):
-    assert set(dev_stage["compute"].queues) == {"production", "experiments", "single-node"}
+    assert set(dev_stage["compute"].queues) == {"training", "single-node"}
     queues = _resources(dev_templates["compute"], "AWS::Batch::JobQueue")
-    assert len(queues) == 3
+    assert len(queues) == 2
     (policy_id,) = _resources(dev_templates["compute"], "AWS::Batch::SchedulingPolicy")
     for queue in queues.values():
         props = queue["Properties"]
@@ -210,6 +210,52 @@ def test_queues_have_policy_and_cancel_stuck_runnable_jobs(dev_templates, dev_st
         for a in actions:
             assert (a["Action"], a["State"]) == ("CANCEL", "RUNNABLE")
             assert a["MaxTimeSeconds"] == 60 * dev_config.compute.runnable_timeout_minutes
+
+
+def _json_with_references(value) -> dict:
+    """A JSON string property (literal or Fn::Join), every CloudFormation reference replaced by "X"."""
+    if isinstance(value, dict):
+        value = "".join(p if isinstance(p, str) else "X" for p in value["Fn::Join"][1])
+    return json.loads(value)
+
+
+def _state_machine_definition(pipeline_template) -> dict:
+    (machine,) = [r for r in pipeline_template.find_resources("AWS::StepFunctions::StateMachine").values()
+                  if "CheckShare" in json.dumps(r["Properties"]["DefinitionString"])]
+    return _json_with_references(machine["Properties"]["DefinitionString"])
+
+
+@pytest.mark.parametrize("stage", ["dev", "prod"])
+def test_every_submit_names_a_share_the_policy_defines(request, stage):
+    # Batch gives an identifier the policy does not define the default weight; the shares would
+    # then decide nothing. Every submission must name one of the policy's identifiers.
+    templates, cfg = request.getfixturevalue(f"{stage}_templates"), request.getfixturevalue(f"{stage}_config")
+    (policy,) = _resources(templates["compute"], "AWS::Batch::SchedulingPolicy").values()
+    defined = {s["ShareIdentifier"] for s in policy["Properties"]["FairsharePolicy"]["ShareDistribution"]}
+    states = _state_machine_definition(templates["pipeline"])["States"]
+    assert states["Defaults"]["Result"]["share"] in defined
+    # The input's share is checked before anything is submitted: only defined shares pass.
+    assert states["ApplyDefaults"]["Next"] == "CheckShare"
+    (reject,) = states["CheckShare"]["Choices"]
+    assert {c["StringEquals"] for c in reject["Not"]["Or"]} == defined and reject["Next"] == "UnknownShare"
+    assert states["UnknownShare"]["Type"] == "Fail"
+    submits = {n: s for n, s in states.items() if s.get("Resource") == "arn:aws:states:::batch:submitJob.sync"}
+    assert len(submits) == 6
+    for name, state in submits.items():
+        params = state["Parameters"]
+        assert params.get("ShareIdentifier.$") == "$.run.share" or params.get("ShareIdentifier") in defined, name
+    for schedule in _resources(templates["pipeline"], "AWS::Scheduler::Schedule").values():  # the canary
+        submitted = _json_with_references(schedule["Properties"]["Target"]["Input"])
+        assert submitted["ShareIdentifier"] in defined
+    assert cfg.pipeline.experiments_share in defined
+
+
+def test_one_fair_share_queue_per_compute_environment(dev_templates):
+    # Share identifiers are not aggregated across queues, so two queues on the training compute
+    # environment would make the share weights meaningless.
+    queues = _resources(dev_templates["compute"], "AWS::Batch::JobQueue").values()
+    environments = [q["Properties"]["ComputeEnvironmentOrder"][0]["ComputeEnvironment"] for q in queues]
+    assert len(environments) == len({json.dumps(e, sort_keys=True) for e in environments}) == 2
 
 
 # -- Job definitions ---------------------------------------------------------------------------
@@ -415,3 +461,81 @@ def test_a_configured_uri_is_passed_as_is_without_a_server():
     for key in JOB_KEYS:
         assert _env(template, key)["MLFLOW_TRACKING_URI"] == uri, key
     assert "MlflowTrackingServerArn" not in Template.from_stack(stacks["pipeline"]).to_json()["Outputs"]
+
+
+@pytest.mark.parametrize("templates_fixture", ["dev_templates", "prod_templates"])
+def test_every_log_group_is_kms_encrypted_by_a_key_logs_may_use(request, templates_fixture):
+    t = request.getfixturevalue(templates_fixture)["compute"]
+    groups = t.find_resources("AWS::Logs::LogGroup")
+    assert groups
+    keys = t.find_resources("AWS::KMS::Key")
+    for group in groups.values():
+        key_ref = group["Properties"]["KmsKeyId"]
+        key = keys[key_ref["Fn::GetAtt"][0]]
+        assert key["Properties"]["EnableKeyRotation"] is True
+        statements = key["Properties"]["KeyPolicy"]["Statement"]
+        logs = [s for s in statements if "logs." in json.dumps(s.get("Principal", {}))]
+        assert logs and "kms:GenerateDataKey*" in logs[0]["Action"], statements
+        assert "kms:EncryptionContext:aws:logs:arn" in json.dumps(logs[0]["Condition"])
+
+
+# -- Reserved capacity -----------------------------------------------------------------------
+def _launch_template_data(reservation):
+    from aws_cdk import aws_ec2 as ec2
+
+    from stacks.config import CapacityReservation  # noqa: F401 (the type under test)
+    from stacks.constructs.efa_launch_template import EfaLaunchTemplate
+
+    stack = Stack(App(), "T", env=Environment(account="123456789012", region="us-east-1"))
+    group = ec2.SecurityGroup(stack, "Sg", vpc=ec2.Vpc(stack, "Vpc", max_azs=1, nat_gateways=0, subnet_configuration=[]))
+    EfaLaunchTemplate(stack, "Lt", spec=INSTANCE_TYPES["trn1.32xlarge"], security_group=group, root_volume_gib=200,
+                      min_driver="2.27", fsx_dns_name="fs.example", fsx_mount_name="mnt", capacity_reservation=reservation)
+    (lt,) = Template.from_stack(stack).find_resources("AWS::EC2::LaunchTemplate").values()
+    return lt["Properties"]["LaunchTemplateData"]
+
+
+@pytest.mark.parametrize(("kwargs", "target", "market"), [
+    ({"reservation_id": "cr-0123456789abcdef0"}, {"CapacityReservationId": "cr-0123456789abcdef0"}, None),
+    ({"reservation_id": "cr-0123456789abcdef0", "capacity_block": True},
+     {"CapacityReservationId": "cr-0123456789abcdef0"}, {"MarketType": "capacity-block"}),
+    ({"resource_group_arn": "arn:aws:resource-groups:us-east-1:123456789012:group/trn1-odcrs"},
+     {"CapacityReservationResourceGroupArn": "arn:aws:resource-groups:us-east-1:123456789012:group/trn1-odcrs"}, None),
+])
+def test_training_nodes_launch_into_the_configured_reserved_capacity(kwargs, target, market):
+    from stacks.config import CapacityReservation
+
+    data = _launch_template_data(CapacityReservation(**kwargs))
+    assert data["CapacityReservationSpecification"] == {"CapacityReservationTarget": target}
+    assert data.get("InstanceMarketOptions") == market
+    assert len(data["NetworkInterfaces"]) == INSTANCE_TYPES["trn1.32xlarge"].efa_interfaces
+
+
+def test_reserved_capacity_is_wired_from_the_stage_config_to_the_training_nodes_only(prod_config):
+    from dataclasses import replace
+
+    from infra_synth import TEST_IMAGE, cdk_json_context
+    from stacks.config import CapacityReservation
+    from stacks.stages import build_stage
+
+    reservation = CapacityReservation(reservation_id="cr-0123456789abcdef0", capacity_block=True)
+    cfg = replace(prod_config, compute=replace(prod_config.compute, training_capacity_reservation=reservation))
+    template = Template.from_stack(build_stage(App(context=cdk_json_context()), cfg, image_uri=TEST_IMAGE)["compute"])
+    training = _training_launch_template(template)
+    assert training["CapacityReservationSpecification"]["CapacityReservationTarget"] == {
+        "CapacityReservationId": "cr-0123456789abcdef0"}
+    assert training["InstanceMarketOptions"] == {"MarketType": "capacity-block"}
+    others = [r["Properties"]["LaunchTemplateData"] for r in _resources(template, "AWS::EC2::LaunchTemplate").values()
+              if "NetworkInterfaces" not in r["Properties"]["LaunchTemplateData"]]
+    assert others and all("CapacityReservationSpecification" not in d for d in others)
+
+
+@pytest.mark.parametrize("templates_fixture", ["dev_templates", "prod_templates"])
+def test_stages_launch_plain_on_demand_unless_configured(request, templates_fixture):
+    training = _training_launch_template(request.getfixturevalue(templates_fixture)["compute"])
+    assert "CapacityReservationSpecification" not in training and "InstanceMarketOptions" not in training
+
+
+def test_trn_vcpu_quota_a_stage_needs(dev_config, prod_config):
+    # The Running On-Demand Trn instances quota is in vCPUs: the largest job needs vCPUs x max nodes.
+    assert dev_config.compute.training_vcpus_needed == 128 * 2
+    assert prod_config.compute.training_vcpus_needed == 128 * 8

@@ -20,6 +20,7 @@ from stacks.config import (
     StorageConfig,
     get_stage,
     load_pinned_amis,
+    zone_id_prefix,
 )
 from stacks.pipeline_config import PipelineConfig
 
@@ -93,7 +94,8 @@ def test_storage_valid_capacities():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"vpc_id": "vpc-123"}, r"needs training_subnet_id and\s+training_availability_zone"),
+        ({"vpc_id": "vpc-123"}, r"needs training_subnet_id"),
+        ({"training_az_id": "us-east-1a"}, r"training_az_id='us-east-1a' is not a zone ID.*describe-instance-type-offerings"),
         ({"training_subnet_id": "subnet-1"}, r"only used with vpc_id"),
         ({"vpc_endpoints": False, "nat_gateways": 0}, r"need VPC endpoints or NAT"),
         ({"private_subnet_mask": 28}, r"private_subnet_mask=28"),
@@ -163,18 +165,27 @@ def test_stage_cross_checks():
         StageConfig(name="t", region="us-east-1", compute=compute, pipeline=PipelineConfig(default_num_nodes=4))
     with pytest.raises(ValueError, match=r"pipeline share 'research' is not one of compute.shares"):
         StageConfig(name="t", region="us-east-1", compute=compute, pipeline=PipelineConfig(experiments_share="research"))
-    with pytest.raises(ValueError, match=r"availability zone 'us-west-2a' is not in region 'us-east-1'"):
-        StageConfig(
-            name="t", region="us-east-1", compute=compute, network=NetworkConfig(availability_zones=("us-west-2a",))
-        )
+    with pytest.raises(ValueError, match=r"training_az_id='usw2-az4' is not a zone of region 'us-east-1'.*'use1-'"):
+        StageConfig(name="t", region="us-east-1", compute=compute, network=NetworkConfig(training_az_id="usw2-az4"))
     with pytest.raises(ValueError, match=r"12-digit"):
         StageConfig(name="t", region="us-east-1", account="42", compute=compute)
 
 
-def test_default_azs_follow_region():
-    stage = get_stage("dev").with_env(region="us-west-2")
-    assert stage.availability_zones == ("us-west-2a", "us-west-2b")
-    assert stage.training_availability_zone == "us-west-2a"
+def test_training_zone_is_required_by_id_with_the_lookup_command():
+    stage = get_stage("dev")
+    with pytest.raises(ValueError, match=r"no training zone.*describe-instance-type-offerings --location-type "
+                                         r"availability-zone-id.*--region us-east-1.*-c training_az_id="):
+        _ = stage.training_az_id
+    assert stage.with_env(training_az_id="use1-az6").training_az_id == "use1-az6"
+    assert stage.with_env(region="ap-southeast-2", training_az_id="apse2-az1").training_az_id == "apse2-az1"
+    with pytest.raises(ValueError, match=r"not a zone of region 'us-west-2'"):
+        stage.with_env(region="us-west-2", training_az_id="use1-az6")
+
+
+@pytest.mark.parametrize(("region", "prefix"), [("us-east-1", "use1"), ("ap-southeast-2", "apse2"),
+                                                ("eu-central-1", "euc1"), ("ap-northeast-1", "apne1")])
+def test_zone_id_prefix(region, prefix):
+    assert zone_id_prefix(region) == prefix
 
 
 def test_mlflow_defaults_prod_managed_dev_file_store():
@@ -199,3 +210,19 @@ def test_git_commit_validation():
     assert stage.with_env(git_commit="0123abc").git_commit == "0123abc"
     with pytest.raises(ValueError, match=r"git_commit='HEAD': a hex commit id"):
         stage.with_env(git_commit="HEAD")
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({}, r"exactly one of reservation_id"),
+    ({"reservation_id": "cr-1", "resource_group_arn": "arn:aws:resource-groups:us-east-1:123456789012:group/g"},
+     r"exactly one of reservation_id"),
+    ({"reservation_id": "cr-xyz"}, r"not a Capacity Reservation id.*describe-capacity-reservations"),
+    ({"resource_group_arn": "group/g"}, r"not a resource group ARN"),
+    ({"resource_group_arn": "arn:aws:resource-groups:us-east-1:123456789012:group/g", "capacity_block": True},
+     r"Capacity Block is targeted by its reservation_id"),
+])
+def test_capacity_reservation_validation(kwargs, match):
+    from stacks.config import CapacityReservation
+
+    with pytest.raises(ValueError, match=match):
+        CapacityReservation(**kwargs)

@@ -26,18 +26,25 @@ def test_cdk_nag_has_no_unacknowledged_findings(request, stage_fixture, template
         assert not findings, f"{name}:\n" + "\n".join(findings)
 
 
+def _cfn_lint(paths: list[str]) -> subprocess.CompletedProcess[str]:
+    # The console script beside the interpreter: cfnlint has no `python -m cfnlint` entry point.
+    cfn_lint = Path(sys.executable).with_name("cfn-lint")
+    assert cfn_lint.exists(), f"{cfn_lint} missing: install the test extra (cfn-lint)"
+    return subprocess.run([str(cfn_lint), "--format", "parseable", *paths], capture_output=True, text=True, check=False)
+
+
 @pytest.mark.parametrize("stage_fixture", STAGES)
-def test_cfn_lint_has_no_errors(request, stage_fixture, template_of, tmp_path: Path):
+def test_cfn_lint_has_no_errors_and_no_hard_coded_zone(request, stage_fixture, template_of, tmp_path: Path):
     _, stacks = request.getfixturevalue(stage_fixture)
     paths = []
     for name, stack in stacks.items():
         path = tmp_path / f"{stack.stack_name}.template.json"
         path.write_text(json.dumps(template_of(stack).to_json(), indent=1))
         paths.append(str(path))
-    # Errors only (-i W I would hide warnings from the count: cfn-lint exits 2 on errors, 4 on warnings).
-    result = subprocess.run(
-        [sys.executable, "-m", "cfnlint", "--format", "parseable", *paths],
-        capture_output=True, text=True, check=False,
-    )
-    errors = [line for line in result.stdout.splitlines() if ":E" in line or line.split(":")[-2:-1] == ["E"]]
-    assert result.returncode & 2 == 0 and not errors, result.stdout + result.stderr
+    result = _cfn_lint(paths)
+    # Exit code bits: 2 errors, 4 warnings, 8 informational; anything else (1) is a crash.
+    assert result.returncode & ~(4 | 8) == 0, result.stdout + result.stderr
+    findings = [line.split(":")[4] for line in result.stdout.splitlines() if line.count(":") >= 5]
+    errors = [f for f in findings if f.startswith("E")]
+    # W3010: an availability zone written into a template (zone names differ per account).
+    assert not errors and "W3010" not in findings, result.stdout

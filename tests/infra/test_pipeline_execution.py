@@ -17,7 +17,7 @@ REGION = ENV.region
 ARTIFACTS = "artifacts-bucket"
 DATA = "data-bucket"
 ROLE = f"arn:aws:iam::{ENV.account}:role/sfn"
-HAPPY_PATH = ["Defaults", "ApplyDefaults", "InitFromGiven", "ReadCurrentModel", "TrainFromScratch", "ApplyBaseline",
+HAPPY_PATH = ["Defaults", "ApplyDefaults", "CheckShare", "InitFromGiven", "ReadCurrentModel", "TrainFromScratch", "ApplyBaseline",
               "Prepare", "Sanity", "Compile", "Train", "Validate", "ReadGate", "GatePassed", "Embed",
               "PointerRecord", "Publish", "NotifyPublished", "Done"]
 
@@ -133,6 +133,14 @@ def test_input_overrides_defaults_and_current_model_is_the_default_start(aws):
     assert by_name["train"]["shareIdentifier"] == "experiments" and by_name["train"]["schedulingPriorityOverride"] == 7
     assert by_name["embed"]["arrayProperties"] == {"size": 3}
     assert by_name["embed"]["parameters"]["shard_count"] == "3"
+
+
+def test_a_share_the_policy_does_not_define_fails_before_any_job(aws):
+    # Batch would run it with the default weight: the fair share would decide nothing.
+    desc, visited = aws.run(aws.pipeline_arn, "run-share", {"share": "research"})
+    assert desc["status"] == "FAILED", desc
+    assert visited[-2:] == ["CheckShare", "UnknownShare"]
+    assert not aws.hooks.submitted
 
 
 def test_failing_train_job_takes_the_failure_path_and_notifies(aws):

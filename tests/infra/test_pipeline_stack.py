@@ -78,7 +78,7 @@ def test_multi_node_steps_share_node_count_and_queue(definition):
     for step in ("Sanity", "Compile", "Train"):
         params = definition["States"][step]["Parameters"]
         assert params["NodeOverrides"] == {"NumNodes.$": "$.run.num_nodes"}
-        assert params["JobQueue.$"] == "$.run.training_queue"
+        assert params["JobQueue"] == FAKE and "JobQueue.$" not in params  # the one training queue
     embed = definition["States"]["Embed"]["Parameters"]
     assert embed["ArrayProperties"] == {"Size.$": "$.run.embed_shards"}
     assert "gate_s3_uri.$" in definition["States"]["Validate"]["Parameters"]["Parameters"]
@@ -200,9 +200,28 @@ def test_canary_schedule_and_alarm(syn):
     assert props["ScheduleExpression"] == "rate(1 hour)"
     assert ":scheduler:::aws-sdk:batch:submitJob" in json.dumps(props["Target"]["Arn"])
     assert "ShareIdentifier" in json.dumps(props["Target"]["Input"])
-    syn.template.has_resource_properties("AWS::CloudWatch::Alarm", {
-        "MetricName": "TriggeredRules", "Namespace": "AWS/Events", "TreatMissingData": "breaching",
-        "ComparisonOperator": "LessThanThreshold", "Period": 7200, "AlarmActions": Match.any_value()})
+
+def test_canary_alarm_stays_ok_after_a_deploy_and_fires_when_submitted_canaries_do_not_succeed(syn):
+    # Right after a deploy no canary ran yet: the success metric has no data. The alarm must not
+    # treat that as an outage, but two submitted canaries without a success are one.
+    (schedule,) = _resources(syn, "AWS::Scheduler::Schedule").values()
+    ((group_id, group),) = _resources(syn, "AWS::Scheduler::ScheduleGroup").items()
+    group_name = group["Properties"]["Name"]
+    assert schedule["Properties"]["GroupName"] == group_name and group_id in schedule.get("DependsOn", [])
+    alarms = [a["Properties"] for a in _resources(syn, "AWS::CloudWatch::Alarm").values()
+              if "canary" in a["Properties"].get("AlarmDescription", "")]
+    (alarm,) = alarms
+    assert alarm["TreatMissingData"] == "notBreaching"
+    assert alarm["ComparisonOperator"] == "GreaterThanOrEqualToThreshold" and alarm["Threshold"] == 1
+    by_id = {m["Id"]: m for m in alarm["Metrics"]}
+    assert by_id["submitted"]["MetricStat"]["Metric"]["MetricName"] == "InvocationAttemptCount"
+    assert by_id["submitted"]["MetricStat"]["Metric"]["Dimensions"] == [{"Name": "ScheduleGroup",
+                                                                         "Value": group_name}]
+    assert by_id["succeeded"]["MetricStat"]["Metric"]["MetricName"] == "TriggeredRules"
+    assert all(by_id[k]["MetricStat"]["Period"] == 7200 for k in ("submitted", "succeeded"))
+    (expression,) = [m for m in alarm["Metrics"] if "Expression" in m]
+    assert expression["Expression"] == "IF(FILL(submitted, 0) >= 2 AND FILL(succeeded, 0) < 1, 1, 0)"
+    assert alarm["AlarmActions"]
 
 
 def test_every_alarm_notifies_the_topic(syn):

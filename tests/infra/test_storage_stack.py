@@ -137,3 +137,14 @@ def test_fsx_service_role_may_use_key_only_via_s3(dev_templates):
             }
         },
     )
+
+
+def test_bucket_names_are_stack_outputs(dev_templates, prod_templates):
+    # trainium-runs and the upload instructions read these instead of a placeholder.
+    for templates in (dev_templates, prod_templates):
+        t = templates["storage"]
+        outputs = t.to_json()["Outputs"]
+        for output, bucket_id in (("DataBucketName", "DataBucket"), ("ArtifactsBucketName", "ArtifactsBucket")):
+            (logical_id,) = t.find_resources("AWS::S3::Bucket", {"Properties": {
+                "LoggingConfiguration": {"LogFilePrefix": f"{bucket_id}/"}}})
+            assert outputs[output]["Value"] == {"Ref": logical_id}

@@ -18,7 +18,7 @@ from botocore.exceptions import ClientError
 
 from moto_batch import patched_moto_batch
 from pipeline_fixtures import ENV
-from test_pipeline_execution import DATA, _World
+from test_pipeline_execution import ARTIFACTS, DATA, _World
 
 from pipeline_ops import cli
 
@@ -50,9 +50,9 @@ def world():
             patched_moto_batch() as hooks, \
             mock.patch.object(callback_module, "_DELAY_SECONDS_SYNC_CONDITION_CHECK", 0.05):  # faster .sync polls
         w = _World(hooks)
-        queue = w.batch.describe_job_queues(jobQueues=["experiments"])["jobQueues"][0]["jobQueueArn"]
-        cloudformation = _CloudFormation({"TrnEmbed-dev-Pipeline": {"StateMachineArn": w.pipeline_arn,
-                                                                    "ExperimentsQueueArn": queue}})
+        cloudformation = _CloudFormation({"TrnEmbed-dev-Pipeline": {"StateMachineArn": w.pipeline_arn},
+                                          "TrnEmbed-dev-Storage": {"DataBucketName": DATA,
+                                                                   "ArtifactsBucketName": ARTIFACTS}})
         real_client = cli.Context.client
         patch_cfn = mock.patch.object(cli.Context, "client", lambda self, name: cloudformation
                                       if name == "cloudformation" else real_client(self, name))
@@ -99,10 +99,24 @@ def test_start_sends_the_documented_input(world, capsys):
     assert by_name["prepare"]["parameters"]["data_uri"] == "/fsx/data/incoming/catalog/v1"
 
 
-def test_start_experiment_goes_to_the_experiments_queue_and_names_itself(world, capsys):
+def test_start_experiment_names_its_share_and_itself(world, capsys):
+    # One fair-share training queue: the share identifier, not a second queue, marks an experiment.
     out = run_json(capsys, "start", "--data-uri", "/fsx/data/incoming/catalog/v3", "--share", "experiments")
     assert out["run_id"].startswith("catalog-v3-")
-    assert out["input"]["share"] == "experiments" and out["input"]["training_queue"].endswith("job-queue/experiments")
+    assert out["input"]["share"] == "experiments" and "training_queue" not in out["input"]
+
+
+def test_start_takes_a_key_of_the_stages_data_bucket_from_the_storage_stack_output(world, capsys):
+    out = run_json(capsys, "start", "--data-uri", "incoming/catalog/v4/")
+    assert out["input"]["data_s3_uri"] == f"s3://{DATA}/incoming/catalog/v4/"
+    assert out["input"]["data_uri"] == "/fsx/data/incoming/catalog/v4" and out["input"]["version"] == "v4"
+
+
+def test_buckets_come_from_the_storage_stack_outputs(world, capsys):
+    out = run_json(capsys, "buckets")
+    assert out["data_bucket"] == DATA and out["artifacts_bucket"] == ARTIFACTS
+    assert out["upload_to"] == f"s3://{DATA}/incoming/<dataset>/<version>/"
+    assert out["current_model"] == f"s3://{ARTIFACTS}/models/current.json"
 
 
 def test_stop_aborts_a_running_run_and_is_a_no_op_on_a_finished_one(world, capsys):
@@ -203,6 +217,10 @@ def test_logs_prints_the_jobs_log_stream(world, capsys):
     (["--stage", "nope", "runs"], 4, "no stack TrnEmbed-nope-Pipeline"),
     (["--state-machine-arn", f"arn:aws:states:{REGION}:123456789012:stateMachine:gone", "runs"], 4, "no state machine"),
     (["status", "--price", "trn1.2xlarge"], 2, "INSTANCE_TYPE=USD_PER_HOUR"),
+    # Only the stage's data bucket is linked to /fsx/data: another bucket would train on nothing.
+    (["start", "--data-uri", "s3://someone-elses-bucket/incoming/catalog/v1/"], 2,
+     f"is not the stage's data bucket '{DATA}'"),
+    (["start", "--data-uri", "catalog/v1"], 2, "use incoming/<dataset>/<version>/"),
 ])
 def test_clear_errors_and_exit_codes(world, capsys, args, code, message):
     capsys.readouterr()
