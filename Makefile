@@ -5,11 +5,13 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-RUN_DIR ?= runs/demo
 PRESET ?= small
 BACKEND ?= cpu
+# One run dir per preset and backend: every step resumes what its run dir holds, so a second
+# `make demo PRESET=tiny` or `BACKEND=xla` must not land in the first run's directory.
+RUN_DIR ?= runs/demo-$(PRESET)-$(BACKEND)
 
-.PHONY: demo test venv synth infra-diff snapshots bench clean
+.PHONY: demo check-node test venv synth infra-diff snapshots bench clean
 # jsii (the CDK's Node bridge) warns on every run about Node 20's end of life; the warning is noise here.
 export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 STAGE ?= dev
@@ -30,9 +32,13 @@ venv: $(STAMP)
 
 # The whole pipeline on the bundled demo data, then the CloudFormation templates. Rerunning is
 # cheap: every step resumes or skips what its run dir already holds.
-demo: $(STAMP)
+demo: check-node $(STAMP)
 	$(PY) -m pipeline_steps run-local --run-dir $(RUN_DIR) --preset $(PRESET) --backend $(BACKEND)
 	$(MAKE) --no-print-directory synth
+
+# Before the long install and training: synthesis at the end of the demo needs Node.js.
+check-node:
+	@$(PYTHON) scripts/check_node.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q
