@@ -1,3 +1,4 @@
+# PYTHON_ARGCOMPLETE_OK
 """trainium-runs: start, watch and stop training pipeline runs on AWS, and see what they cost.
 
     trainium-runs [--stage dev] start --data-uri incoming/catalog/2026-01-05/ [--base-model RUN] [--nodes 4] [--share experiments]
@@ -5,6 +6,7 @@
     trainium-runs status [RUN]          state timeline, Batch jobs (ids, nodes, instance, times), cost, failure reason
     trainium-runs runs [--max 10]       recent runs: outcome, gate metrics, cost
     trainium-runs logs RUN STEP         the main node's CloudWatch log of that step's Batch job
+    trainium-runs --version             the package version
     trainium-runs stop RUN              stop the execution (Step Functions terminates the running job)
 
 The state machine is the `StateMachineArn` output of the stack `<project>-<stage>-Pipeline`
@@ -15,7 +17,10 @@ an execution ARN; `status` without RUN shows the latest run. Add `--json` for sc
 Batch job time x nodes x on-demand price (pipeline_steps/cost.py); `--price TYPE=USD` adds or
 overrides a price (e.g. `--price trn1.2xlarge=1.34`, which the built-in table cannot cite).
 
-Exit codes: 0 ok; 1 AWS API error; 2 usage error; 3 unknown run / step / log stream;
+Usage errors (unknown command or step, bad numbers, a malformed --price) are found before any AWS
+call. Shell completion: eval "$(register-python-argcomplete trainium-runs)" (argcomplete).
+
+Exit codes: 0 ok; 1 AWS API error; 2 usage error; 3 unknown run / log stream / missing job;
 4 wrong stage or state machine (stack or output missing, no region); 5 no AWS credentials;
 6 a run with that name already exists.
 """
@@ -31,6 +36,7 @@ from datetime import datetime, timezone
 from typing import Any, Callable
 
 from pipeline_steps import cost as cost_lib
+from pipeline_steps.completion import autocomplete, version_line
 
 from . import runs as R
 
@@ -292,9 +298,7 @@ def cmd_runs(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
 def cmd_logs(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
     execution = _describe_execution(ctx, args.run)
     _, jobs = R.parse_history(_history(ctx, execution["executionArn"]))
-    state = next((s for s in R.BATCH_STATES if s.lower() == args.step.lower()), None)
-    if state is None:
-        raise R.NotFoundError(f"unknown step {args.step!r}; steps: {', '.join(s.lower() for s in R.BATCH_STATES)}.")
+    state = next(s for s in R.BATCH_STATES if s.lower() == args.step)  # argparse checked the name
     job = jobs.get(state)
     if job is None or not job.job_id:
         raise R.NotFoundError(f"run {execution['name']} has no {state} job (yet); `trainium-runs status "
@@ -471,17 +475,39 @@ def _common(suppress: bool) -> argparse.ArgumentParser:
     common.add_argument("--profile", default=default(None), help="AWS profile")
     common.add_argument("--state-machine-arn", default=default(None), help="skip the stack lookup")
     common.add_argument("--json", action="store_true", default=default(False), help="machine-readable output")
-    common.add_argument("--price", action="append", metavar="TYPE=USD", default=default(None),
+    common.add_argument("--price", action="append", metavar="TYPE=USD", default=default(None), type=_price,
                         help="on-demand USD/hour for an instance type (repeatable; overrides the table)")
     common.add_argument("--training-instance-type", default=default(None))
     common.add_argument("--single-node-instance-type", default=default(None))
     return common
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
+
+
+def _price(text: str) -> str:
+    try:
+        cost_lib.parse_overrides([text])
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+STEP_NAMES = tuple(s.lower() for s in R.BATCH_STATES)
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = _common(suppress=True)
     parser = argparse.ArgumentParser(prog="trainium-runs", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter, parents=[_common(suppress=False)])
+    parser.add_argument("--version", action="version", version=version_line("trainium-runs"))
     sub = parser.add_subparsers(dest="command", required=True)
     start = sub.add_parser("start", parents=[common], help="start a run")
     start.add_argument("--data-uri", required=True,
@@ -490,19 +516,19 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--base-model", default=None,
                        help="run id, /fsx/runs/<run>[/checkpoints/...] to start from ('' = from scratch; "
                             "default: the published model)")
-    start.add_argument("--nodes", type=int, default=None, help="nodes for sanity/compile/train")
+    start.add_argument("--nodes", type=_positive_int, default=None, help="nodes for sanity/compile/train")
     start.add_argument("--share", default=None, help="fair-share identifier (production | experiments)")
     start.add_argument("--priority", type=int, default=None)
-    start.add_argument("--embed-shards", type=int, default=None)
+    start.add_argument("--embed-shards", type=_positive_int, default=None)
     start.add_argument("--name", default=None, help="run id (default <dataset>-<version>-<UTC time>)")
     status = sub.add_parser("status", parents=[common], help="one run in detail (default: the latest)")
     status.add_argument("run", nargs="?", default=None)
     recent = sub.add_parser("runs", parents=[common], help="recent runs")
-    recent.add_argument("--max", type=int, default=10)
+    recent.add_argument("--max", type=_positive_int, default=10)
     logs = sub.add_parser("logs", parents=[common], help="the main node's log of a step")
     logs.add_argument("run")
-    logs.add_argument("step", help="prepare | sanity | compile | train | validate | embed")
-    logs.add_argument("--lines", type=int, default=200)
+    logs.add_argument("step", type=str.lower, choices=STEP_NAMES, help=" | ".join(STEP_NAMES))
+    logs.add_argument("--lines", type=_positive_int, default=200)
     logs.add_argument("--head", action="store_true", help="from the start of the stream (default: the end)")
     logs.add_argument("--index", type=int, default=0, help="array child for embed")
     sub.add_parser("buckets", parents=[common], help="the stage's data and artifacts buckets")
@@ -517,7 +543,12 @@ def main(argv: list[str] | None = None) -> int:
     from botocore.exceptions import ProfileNotFound
     from rich.console import Console
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    autocomplete(parser)
+    try:
+        args = parser.parse_args(argv)  # usage errors end here, before any credential lookup
+    except SystemExit as exc:  # --help/--version (0) or a usage error (2): returned, like every other code
+        return int(exc.code or 0)
     command, render = COMMANDS[args.command]
     err = Console(stderr=True, soft_wrap=True)  # one line per error: scripts grep it
     try:

@@ -1,9 +1,11 @@
+# PYTHON_ARGCOMPLETE_OK
 """The CLI: `python -m pipeline_steps <step> [args]` (installed as `pipeline-steps`).
 
 Each step lives in its own module with a `main(argv) -> int | None`; this dispatcher imports only
 the step asked for, so `sanity` never pays for tokenizers and `--help` is instant. Expected
 failures (`StepError`) become one clear line on stderr and the exit code from `errors.ExitCode`;
-anything else is a bug and keeps its traceback (exit 1).
+anything else is a bug and keeps its traceback (exit 1). `--version` prints the package version;
+`eval "$(register-python-argcomplete pipeline-steps)"` completes step names.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import argparse
 import sys
 
+from .completion import autocomplete, version_line
 from .errors import ExitCode, StepError, record_exit_code
 
 STEPS: dict[str, tuple[str, str]] = {
@@ -28,10 +32,20 @@ STEPS: dict[str, tuple[str, str]] = {
 
 
 def _usage() -> str:
-    lines = ["usage: python -m pipeline_steps <step> [--help] [args]", "", "steps:"]
+    lines = ["usage: python -m pipeline_steps [--version] <step> [--help] [args]", "", "steps:"]
     lines += [f"  {name:<10} {desc}" for name, (_, desc) in STEPS.items()]
     lines += ["", "exit codes: " + ", ".join(f"{c.value}={c.name.lower()}" for c in ExitCode)]
     return "\n".join(lines)
+
+
+def completion_parser() -> argparse.ArgumentParser:
+    """The step names as an argparse tree, for shell completion only: the steps parse their own flags."""
+    parser = argparse.ArgumentParser(prog="pipeline-steps")
+    parser.add_argument("--version", action="version", version=version_line("pipeline-steps"))
+    sub = parser.add_subparsers(dest="step")
+    for name, (_, desc) in STEPS.items():
+        sub.add_parser(name, help=desc)
+    return parser
 
 
 def configure_logging() -> None:
@@ -46,10 +60,14 @@ def configure_logging() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    autocomplete(completion_parser())
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
-        print(_usage())
+        print(_usage(), file=sys.stdout if argv else sys.stderr)
         return ExitCode.OK if argv else ExitCode.USAGE
+    if argv[0] == "--version":
+        print(version_line("pipeline-steps"))
+        return ExitCode.OK
     step, rest = argv[0], argv[1:]
     if step not in STEPS:
         print(f"unknown step {step!r}\n\n{_usage()}", file=sys.stderr)
@@ -58,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(STEPS[step][0])
     try:
         code = int(module.main(rest) or ExitCode.OK)
+    except SystemExit as exc:
+        # argparse's usage errors (exit 2): recorded too, or torchrun would turn them into 1.
+        if exc.code not in (0, None):
+            record_exit_code(exc.code if isinstance(exc.code, int) else ExitCode.USAGE)
+        raise
     except StepError as exc:
         logging.getLogger(f"pipeline_steps.{step}").error("%s (exit %d: %s)", exc, exc.exit_code,
                                                           exc.exit_code.name.lower())

@@ -212,7 +212,7 @@ def test_logs_prints_the_jobs_log_stream(world, capsys):
 
 @pytest.mark.parametrize("args,code,message", [
     (["status", "no-such-run"], 3, "unknown run 'no-such-run'"),
-    (["logs", "run-ok", "bogus"], 3, "unknown step 'bogus'"),
+    (["logs", "run-ok", "bogus"], 2, "invalid choice: 'bogus'"),
     (["logs", "run-rejected", "embed"], 3, "has no Embed job"),
     (["--stage", "nope", "runs"], 4, "no stack TrnEmbed-nope-Pipeline"),
     (["--state-machine-arn", f"arn:aws:states:{REGION}:123456789012:stateMachine:gone", "runs"], 4, "no state machine"),
@@ -240,3 +240,60 @@ def test_missing_credentials_exit_5(capsys, monkeypatch, tmp_path):
         monkeypatch.delenv(name, raising=False)
     assert cli.main([*BASE, "runs"]) == 5
     assert "no AWS credentials" in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_credentials(monkeypatch, tmp_path):
+    """Outside moto, with no credentials anywhere."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+                 "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+                 "AWS_WEB_IDENTITY_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["logs", "run-ok", "bogus"], "invalid choice: 'bogus'"),
+    (["logs", "run-ok", "Train", "--lines", "0"], "'0' is not a whole number >= 1"),
+    (["runs", "--max", "many"], "'many' is not a whole number >= 1"),
+    (["start", "--data-uri", "incoming/c/v1/", "--nodes", "0"], "'0' is not a whole number >= 1"),
+    (["status", "--price", "trn1.2xlarge"], "INSTANCE_TYPE=USD_PER_HOUR"),
+    (["statsu"], "invalid choice: 'statsu'"),
+    ([], "the following arguments are required: command"),
+])
+def test_usage_errors_exit_2_before_any_credential_lookup(no_credentials, capsys, args, message):
+    assert cli.main([*BASE, *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "credentials" not in err
+
+
+def test_version_and_step_names_complete(capsys):
+    from pipeline_steps import __version__
+
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"trainium-runs {__version__} (trainium-embeddings)"
+
+
+def _complete(tmp_path, module: str, line: str) -> set[str]:
+    """What the shell's completion hook gets for `line` (argcomplete's protocol, file output)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "completions"
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "_ARGCOMPLETE": "1", "_ARGCOMPLETE_IFS": "\n", "COMP_LINE": line,
+           "COMP_POINT": str(len(line)), "_ARGCOMPLETE_STDOUT_FILENAME": str(out),
+           "PYTHONPATH": str(repo) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    subprocess.run([sys.executable, "-m", module], env=env, check=True, capture_output=True, timeout=60)
+    return {word.strip() for word in out.read_text().split("\n") if word.strip()}
+
+
+def test_shell_completion_of_commands_and_steps(tmp_path):
+    assert {"start", "status", "runs", "logs", "stop", "buckets"} <= _complete(tmp_path, "pipeline_ops",
+                                                                             "trainium-runs ")
+    assert _complete(tmp_path, "pipeline_ops", "trainium-runs logs run-1 tr") == {"train"}
+    assert _complete(tmp_path, "pipeline_steps", "pipeline-steps va") == {"validate"}
