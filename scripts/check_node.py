@@ -15,7 +15,8 @@ import shutil
 import subprocess
 import sys
 
-MIN_MAJOR = 20
+MIN_MAJOR = 20  # jsii still runs on 20 (with an end-of-life banner the Makefile silences)
+SUPPORTED_MAJOR = 22  # the oldest Node.js release jsii supports today
 FIX = (f"install Node.js {MIN_MAJOR} or later (an LTS release, https://nodejs.org/en/download, "
        "or your package manager, e.g. `sudo apt-get install nodejs`), then rerun")
 
@@ -33,11 +34,23 @@ def node_problem(node: str | None) -> str | None:
     return None
 
 
+def node_warning(node: str) -> str | None:
+    """A note for a Node.js that works but is past its end of life."""
+    version = subprocess.run([node, "--version"], capture_output=True, text=True, check=False).stdout.strip()
+    if int(version.lstrip("v").split(".")[0]) < SUPPORTED_MAJOR:
+        return f"Node.js {version} works but is past its end of life; Node.js {SUPPORTED_MAJOR} or later is supported"
+    return None
+
+
 def main() -> int:
-    problem = node_problem(shutil.which("node"))
+    node = shutil.which("node")
+    problem = node_problem(node)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 1
+    warning = node_warning(node)
+    if warning:
+        print(f"note: {warning}", file=sys.stderr)
     return 0
 
 

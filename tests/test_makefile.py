@@ -64,3 +64,8 @@ def test_check_node_exits_1_without_node(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, str(REPO / "scripts" / "check_node.py")], capture_output=True,
                             text=True, env={"PATH": str(tmp_path)})
     assert result.returncode == 1 and "Node.js not found" in result.stderr
+
+
+def test_check_node_notes_an_end_of_life_node(tmp_path: Path) -> None:
+    assert "past its end of life" in check_node.node_warning(_fake_node(tmp_path, "v20.20.2"))
+    assert check_node.node_warning(_fake_node(tmp_path, "v22.11.0")) is None
