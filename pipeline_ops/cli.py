@@ -14,8 +14,9 @@ The state machine is the `StateMachineArn` output of the stack `<project>-<stage
 output of `<project>-<stage>-Storage`: `--data-uri incoming/<dataset>/<version>/` is a key in it,
 and an s3:// URI must name it (only that bucket is linked to /fsx/data). RUN is the run id (= the execution name) or
 an execution ARN; `status` without RUN shows the latest run. Add `--json` for scripts. Costs are
-Batch job time x nodes x on-demand price (pipeline_steps/cost.py); `--price TYPE=USD` adds or
-overrides a price (e.g. `--price trn1.2xlarge=1.34`, which the built-in table cannot cite).
+Batch job time x nodes x on-demand price (pipeline_steps/cost.py): from the AWS Price List API
+(pricing:GetProducts), else the committed table (`--offline-prices`: the table only); the output
+says which. `--price TYPE=USD` adds or overrides a price (e.g. `--price trn1.2xlarge=1.34`).
 
 Usage errors (unknown command or step, bad numbers, a malformed --price) are found before any AWS
 call. Shell completion: eval "$(register-python-argcomplete trainium-runs)" (argcomplete).
@@ -68,7 +69,9 @@ class Context:
         self._clients: dict[str, Any] = {}
         self._outputs: dict[str, dict[str, str]] = {}
         self._arn: str | None = None
-        self.prices = cost_lib.PriceTable(self.region, overrides=cost_lib.parse_overrides(args.price))
+        self.prices = cost_lib.PriceTable(
+            self.region, overrides=cost_lib.parse_overrides(args.price),
+            price_list=None if args.offline_prices else cost_lib.PriceList.from_session(self.session))
 
     def client(self, name: str) -> Any:
         if name not in self._clients:
@@ -190,6 +193,7 @@ def run_summary(ctx: Context, execution: dict[str, Any], *, now: float | None = 
             "started": R.iso(R._epoch(job.record.get("startedAt"))),
             "stopped": R.iso(R._epoch(job.record.get("stoppedAt"))),
             "seconds": round(step.seconds, 3), "cost_usd": step.as_dict()["cost_usd"],
+            "price_source": step.price_source,
             "status_reason": job.record.get("statusReason"),
         })
     output = json.loads(execution.get("output") or "{}")
@@ -291,6 +295,7 @@ def cmd_runs(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
         rows.append({k: summary[k] for k in ("run_id", "status", "end_state", "current_state", "started",
                                              "seconds", "metrics", "gate_passed")}
                     | {"cost_usd": summary["cost"]["total_usd"], "unpriced": summary["cost"]["unpriced"],
+                       "price_sources": summary["cost"]["price_sources"],
                        "failed_state": (summary["failure"] or {}).get("state")})
     return {"state_machine_arn": ctx.state_machine_arn, "runs": rows}
 
@@ -409,6 +414,8 @@ def _render_cost(console: Any, cost: dict[str, Any]) -> None:
     if cost["unpriced"]:
         note += f" (no price for: {', '.join(cost['unpriced'])}; add --price TYPE=USD)"
     console.print(f"compute cost{note}: {_usd(cost['total_usd'])} over {cost['node_hours']:.2f} node-hours")
+    if cost.get("price_sources"):
+        console.print(f"prices from: {'; '.join(cost['price_sources'])}")
     gpu = cost.get("gpu_comparison") or {}
     if gpu.get("gpu_cost_usd") is not None:
         console.print(f"training on {gpu['gpu_instance']} would cost about {_usd(gpu['gpu_cost_usd'])} "
@@ -432,6 +439,9 @@ def render_runs(console: Any, out: dict[str, Any]) -> None:
     console.print(table)
     if any(r["unpriced"] for r in out["runs"]):
         console.print("+ = some steps have no price in the table for this region; add --price TYPE=USD")
+    sources = sorted({source for r in out["runs"] for source in r["price_sources"]})
+    if sources:
+        console.print(f"prices from: {'; '.join(sources)}")
 
 
 def render_logs(console: Any, out: dict[str, Any]) -> None:
@@ -477,6 +487,8 @@ def _common(suppress: bool) -> argparse.ArgumentParser:
     common.add_argument("--json", action="store_true", default=default(False), help="machine-readable output")
     common.add_argument("--price", action="append", metavar="TYPE=USD", default=default(None), type=_price,
                         help="on-demand USD/hour for an instance type (repeatable; overrides the table)")
+    common.add_argument("--offline-prices", action="store_true", default=default(False),
+                        help="price with the committed table only (no AWS Price List API call)")
     common.add_argument("--training-instance-type", default=default(None))
     common.add_argument("--single-node-instance-type", default=default(None))
     return common

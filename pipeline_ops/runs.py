@@ -184,7 +184,8 @@ def job_cost(job: StepJob, prices: cost_lib.PriceTable, *, training: str, single
         priced = [cost_lib.step_cost(job.state, instance_type=instance, nodes=1, started_at=_epoch(c.get("startedAt")),
                                      stopped_at=_epoch(c.get("stoppedAt")), prices=prices, now=now) for c in children]
         return cost_lib.StepCost(job.state, instance, len(children), sum(p.seconds for p in priced) / len(children),
-                                 prices.price(instance), running=any(p.running for p in priced))
+                                 prices.price(instance), running=any(p.running for p in priced),
+                                 price_source=prices.source(instance))
     nodes = job_nodes(job)
     if job.array_size and not children:
         nodes = int(job.array_size)  # no child records: bound by the parent's span x size

@@ -159,6 +159,10 @@ def test_status_shows_timeline_jobs_nodes_and_cost(world, capsys):
     assert out["cost"]["total_usd"] == pytest.approx(expected, abs=1e-3)
     assert out["cost"]["unpriced"] == []
     assert out["metrics"] == {"recall@10": 0.5} and out["gate_passed"] is True
+    # moto has no Price List API: the committed table priced the training type, and says so
+    assert jobs["Train"]["price_source"].startswith("committed table")
+    assert jobs["Prepare"]["price_source"] == "override (--price)"
+    assert sorted(out["cost"]["price_sources"]) == sorted({jobs["Train"]["price_source"], "override (--price)"})
 
 
 def test_status_of_a_failed_run_names_the_step_job_and_reason(world, capsys):
