@@ -3,9 +3,10 @@
 
     trainium-runs [--stage dev] start --data-uri incoming/catalog/2026-01-05/ [--base-model RUN] [--nodes 4] [--share experiments]
     trainium-runs buckets               the stage's data and artifacts buckets (Storage stack outputs)
-    trainium-runs status [RUN]          state timeline, Batch jobs (ids, nodes, instance, times), cost, failure reason
+    trainium-runs status [RUN]          state timeline, Batch jobs (ids, nodes, instance, times), cost, failure
+                                        reason; a running Train's step, loss, tokens/s and ETA (heartbeat metrics)
     trainium-runs runs [--max 10]       recent runs: outcome, gate metrics, cost
-    trainium-runs logs RUN STEP         the main node's CloudWatch log of that step's Batch job
+    trainium-runs logs RUN STEP [--follow] [--node N]   a step's CloudWatch log (main node or node N)
     trainium-runs --version             the package version
     trainium-runs stop RUN              stop the execution (Step Functions terminates the running job)
 
@@ -34,7 +35,7 @@ import os
 import sys
 import time
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from pipeline_steps import cost as cost_lib
 from pipeline_steps.completion import autocomplete, version_line
@@ -211,6 +212,10 @@ def run_summary(ctx: Context, execution: dict[str, Any], *, now: float | None = 
                    "cause": (failed[-1].cause if failed else None) or execution.get("cause"),
                    "job_id": failed_job["job_id"] if failed_job else None,
                    "job_status_reason": failed_job["status_reason"] if failed_job else None}
+    train = jobs.get("Train")
+    progress = None
+    if execution["status"] == "RUNNING" and train is not None and train.record.get("status") == "RUNNING":
+        progress = train_progress(ctx, execution["name"], train.record, now=now)
     return {
         "run_id": execution["name"], "execution_arn": execution["executionArn"], "status": execution["status"],
         "end_state": visits[-1].name if visits and execution["status"] != "RUNNING" else None,
@@ -224,7 +229,53 @@ def run_summary(ctx: Context, execution: dict[str, Any], *, now: float | None = 
         "jobs": job_rows,
         "cost": cost_lib.run_cost(step_costs, comparison=cost_lib.GpuComparison()),
         "failure": failure,
+        "train_progress": progress,
     }
+
+
+def heartbeat_series(ctx: Context, run_id: str, *, start: float, end: float) -> dict[str, list[tuple[float, float]]]:
+    """The run's heartbeat metrics (pipeline_steps/heartbeat.py: namespace, the [Stage, RunId]
+    dimension set) between start and end, one point per minute, via CloudWatch GetMetricData."""
+    from pipeline_steps import heartbeat
+
+    dimensions = [{"Name": heartbeat.DIMENSION, "Value": ctx.args.stage},
+                  {"Name": heartbeat.RUN_ID_DIMENSION, "Value": run_id}]
+    stat = {heartbeat.METRIC_STEP: "Maximum"}
+    queries = [{"Id": f"m{i}", "Label": name, "ReturnData": True,
+                "MetricStat": {"Metric": {"Namespace": heartbeat.NAMESPACE, "MetricName": name, "Dimensions": dimensions},
+                               "Period": 60, "Stat": stat.get(name, "Average")}}
+               for i, (name, _) in enumerate(heartbeat.METRICS)]
+    pages = ctx.client("cloudwatch").get_paginator("get_metric_data").paginate(
+        MetricDataQueries=queries, StartTime=datetime.fromtimestamp(start, timezone.utc),
+        EndTime=datetime.fromtimestamp(end, timezone.utc))
+    series: dict[str, list[tuple[float, float]]] = {}
+    for page in pages:
+        for result in page["MetricDataResults"]:
+            points = zip((t.timestamp() for t in result["Timestamps"]), result["Values"])
+            series.setdefault(result["Label"], []).extend(points)
+    return series
+
+
+def train_progress(ctx: Context, run_id: str, record: dict[str, Any], *, now: float | None = None
+                   ) -> dict[str, Any] | None:
+    """A running Train's step, loss, tokens/s and ETA: heartbeat metrics, plus the planned step
+    count from the newest progress line of the main node's log."""
+    now = time.time() if now is None else now
+    started = R._epoch(record.get("startedAt")) or now - 3 * 3600
+    series = heartbeat_series(ctx, run_id, start=started - 60, end=now + 60)
+    total = None
+    main = R.main_node_job_id(record)
+    main_record = _describe_jobs(ctx, [main]).get(main, {}) if main else record
+    group, stream = R.log_location(main_record)
+    if stream:
+        logs = ctx.client("logs")
+        try:
+            events = logs.get_log_events(logGroupName=group, logStreamName=stream, limit=200,
+                                         startFromHead=False)["events"]
+        except logs.exceptions.ResourceNotFoundException:
+            events = []
+        total = R.total_steps_from_log([e["message"] for e in events])
+    return R.train_progress(series, total, now=now)
 
 
 # ---- commands -------------------------------------------------------------------------------------
@@ -300,7 +351,11 @@ def cmd_runs(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
     return {"state_machine_arn": ctx.state_machine_arn, "runs": rows}
 
 
-def cmd_logs(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
+TERMINAL_JOB_STATUSES = ("SUCCEEDED", "FAILED")
+
+
+def _log_target(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
+    """The run, step, job id, record and log stream `logs` reads (the node's or array child's)."""
     execution = _describe_execution(ctx, args.run)
     _, jobs = R.parse_history(_history(ctx, execution["executionArn"]))
     state = next(s for s in R.BATCH_STATES if s.lower() == args.step)  # argparse checked the name
@@ -310,24 +365,65 @@ def cmd_logs(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
                               f"{execution['name']}` shows how far it got.")
     job_id = job.job_id
     record = _describe_jobs(ctx, [job_id]).get(job_id, {})
-    main_node = R.main_node_job_id(record)
-    if main_node:  # multi-node: the main node's own job record carries its log stream
-        job_id, record = main_node, _describe_jobs(ctx, [main_node]).get(main_node, {})
+    try:
+        node_job = R.node_job_id(record, args.node)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.node is not None and node_job is None:
+        raise UsageError(f"--node {args.node}: the {state} job {job_id} is a single-node job; drop --node.")
+    if node_job:  # multi-node: the node's own job record carries its log stream
+        job_id, record = node_job, _describe_jobs(ctx, [node_job]).get(node_job, {})
     elif job.array_size:
         job_id = f"{job.job_id}:{args.index}"
         record = _describe_jobs(ctx, [job_id]).get(job_id, {})
     group, stream = R.log_location(record)
     if not stream:
         raise R.NotFoundError(f"{state} job {job_id} has no log stream yet (status {record.get('status', '?')}).")
+    return {"run_id": execution["name"], "step": state, "job_id": job_id, "log_group": group, "log_stream": stream}
+
+
+def _event(e: dict[str, Any]) -> dict[str, Any]:
+    return {"timestamp": R.iso(e["timestamp"] / 1000.0), "message": e["message"]}
+
+
+def cmd_logs(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
+    target = _log_target(ctx, args)
     logs = ctx.client("logs")
     try:
-        events = logs.get_log_events(logGroupName=group, logStreamName=stream, limit=args.lines,
-                                     startFromHead=args.head)["events"]
+        page = logs.get_log_events(logGroupName=target["log_group"], logStreamName=target["log_stream"],
+                                   limit=args.lines, startFromHead=args.head)
     except logs.exceptions.ResourceNotFoundException:
-        raise R.NotFoundError(f"log stream {group}/{stream} of job {job_id} not found (expired or not "
-                              "written yet).") from None
-    return {"run_id": execution["name"], "step": state, "job_id": job_id, "log_group": group, "log_stream": stream,
-            "events": [{"timestamp": R.iso(e["timestamp"] / 1000.0), "message": e["message"]} for e in events]}
+        raise R.NotFoundError(f"log stream {target['log_group']}/{target['log_stream']} of job {target['job_id']} "
+                              "not found (expired or not written yet).") from None
+    events = page["events"]
+    if not args.follow:
+        return {**target, "events": [_event(e) for e in events]}
+    out = {**target, "events": []}
+    if args.json:
+        print(json.dumps({k: v for k, v in out.items() if k != "events"}), flush=True)
+    else:
+        _print_log_header(out)
+    for event in [*events, *follow(ctx, target, page["nextForwardToken"], args.interval)]:
+        print(json.dumps(_event(event)) if args.json else _log_line(_event(event)), flush=True)
+        out["followed"] = out.get("followed", 0) + 1
+    out["job_status"] = _describe_jobs(ctx, [target["job_id"]]).get(target["job_id"], {}).get("status")
+    return out
+
+
+def follow(ctx: Context, target: dict[str, Any], token: str, interval: float, *,
+           sleep: Callable[[float], None] = time.sleep) -> Iterator[dict[str, Any]]:
+    """The stream's events after `token` as they arrive (GetLogEvents with startFromHead and the
+    forward token), until the job has ended and a last read finds nothing new."""
+    logs = ctx.client("logs")
+    while True:
+        done = _describe_jobs(ctx, [target["job_id"]]).get(target["job_id"], {}).get("status") in TERMINAL_JOB_STATUSES
+        page = logs.get_log_events(logGroupName=target["log_group"], logStreamName=target["log_stream"],
+                                   nextToken=token, startFromHead=True)
+        yield from page["events"]
+        if done and not page["events"]:
+            return
+        token = page["nextForwardToken"]
+        sleep(interval)
 
 
 def cmd_buckets(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
@@ -394,6 +490,8 @@ def render_status(console: Any, out: dict[str, Any]) -> None:
         jobs.add_row(j["step"], j["job_id"] or "-", _c(j["status"]), str(j["nodes"]), j["instance_type"],
                      _hms(j["seconds"]), _usd(j["cost_usd"]))
     console.print(jobs)
+    if out.get("train_progress"):
+        _render_progress(console, out["train_progress"])
     _render_cost(console, out["cost"])
     if out["metrics"]:
         console.print("gate: " + ("passed" if out["gate_passed"] else "rejected") + ", "
@@ -407,6 +505,14 @@ def render_status(console: Any, out: dict[str, Any]) -> None:
             console.print(f"  logs: trainium-runs logs {out['run_id']} {(f['state'] or '').lower()}")
         if f["cause"]:
             console.print(f"  cause: {str(f['cause'])[:500]}")
+
+
+def _render_progress(console: Any, p: dict[str, Any]) -> None:
+    step = f"{p['step']}/{p['total_steps']}" if p["total_steps"] else str(p["step"])
+    loss = "-" if p["loss"] is None else f"{p['loss']:.4f}"
+    tokens = "-" if p["tokens_per_s"] is None else f"{p['tokens_per_s']:,.0f}"
+    console.print(f"train: step {step}, loss {loss}, {tokens} tokens/s, ETA {_hms(p['eta_seconds'])} "
+                  f"(last heartbeat {p['heartbeat_age_seconds']:.0f} s ago)")
 
 
 def _render_cost(console: Any, cost: dict[str, Any]) -> None:
@@ -444,10 +550,21 @@ def render_runs(console: Any, out: dict[str, Any]) -> None:
         console.print(f"prices from: {'; '.join(sources)}")
 
 
+def _print_log_header(out: dict[str, Any]) -> None:
+    print(f"{out['log_group']} {out['log_stream']} (job {out['job_id']})", flush=True)
+
+
+def _log_line(e: dict[str, Any]) -> str:
+    return f"{e['timestamp']}  {e['message']}"
+
+
 def render_logs(console: Any, out: dict[str, Any]) -> None:
+    if "job_status" in out:  # --follow printed the events as they came
+        console.print(f"job {out['job_id']} ended: {out['job_status']}", markup=False, highlight=False)
+        return
     console.print(f"[dim]{out['log_group']} {out['log_stream']} (job {out['job_id']})[/dim]")
     for e in out["events"]:
-        console.print(f"{e['timestamp']}  {e['message']}", markup=False, highlight=False)
+        console.print(_log_line(e), markup=False, highlight=False)
 
 
 def render_stop(console: Any, out: dict[str, Any]) -> None:
@@ -543,6 +660,10 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("--lines", type=_positive_int, default=200)
     logs.add_argument("--head", action="store_true", help="from the start of the stream (default: the end)")
     logs.add_argument("--index", type=int, default=0, help="array child for embed")
+    logs.add_argument("--node", type=int, default=None, help="node N of a multi-node step (default: the main node)")
+    logs.add_argument("--follow", "-f", action="store_true",
+                      help="keep printing new lines until the job ends (like tail -f)")
+    logs.add_argument("--interval", type=float, default=5.0, help="seconds between reads with --follow")
     sub.add_parser("buckets", parents=[common], help="the stage's data and artifacts buckets")
     stop = sub.add_parser("stop", parents=[common], help="stop a running run")
     stop.add_argument("run")

@@ -3,6 +3,7 @@ orchestration tests' Batch patch, and the CLI finds it through the stage's stack
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from unittest import mock
@@ -301,3 +302,74 @@ def test_shell_completion_of_commands_and_steps(tmp_path):
                                                                              "trainium-runs ")
     assert _complete(tmp_path, "pipeline_ops", "trainium-runs logs run-1 tr") == {"train"}
     assert _complete(tmp_path, "pipeline_steps", "pipeline-steps va") == {"validate"}
+
+
+def _train_job(world, capsys) -> tuple[str, str]:
+    status = run_json(capsys, "status", "run-ok")
+    train_id = next(j["job_id"] for j in status["jobs"] if j["step"] == "Train")
+    return train_id, world.batch.describe_jobs(jobs=[train_id])["jobs"][0]["container"]["logStreamName"]
+
+
+def _put(stream: str, *messages: str) -> None:
+    logs = boto3.client("logs", region_name=REGION)
+    for create in (lambda: logs.create_log_group(logGroupName="/aws/batch/job"),
+                   lambda: logs.create_log_stream(logGroupName="/aws/batch/job", logStreamName=stream)):
+        try:
+            create()
+        except logs.exceptions.ResourceAlreadyExistsException:
+            pass
+    logs.put_log_events(logGroupName="/aws/batch/job", logStreamName=stream,
+                        logEvents=[{"timestamp": int(time.time() * 1000), "message": m} for m in messages])
+
+
+def test_logs_node_reads_that_nodes_stream(world, capsys, monkeypatch):
+    """A multi-node job's node N logs to the stream of its child job <id>#N (Batch MNP); moto runs
+    Train single-node, so the parent record gets the node properties Batch reports for 3 nodes."""
+    train_id, _ = _train_job(world, capsys)
+    _put("train/default/node-2", "rank 16 ready")
+    real = cli._describe_jobs
+
+    def describe(ctx, job_ids):
+        out = real(ctx, [j for j in job_ids if "#" not in j])
+        for job_id in job_ids:
+            if job_id == train_id:
+                out[job_id] = {**out[job_id], "nodeProperties": {"numNodes": 3, "mainNode": 0}}
+            elif job_id.startswith(train_id + "#"):
+                node = job_id.rsplit("#", 1)[1]
+                out[job_id] = {"jobId": job_id, "status": "SUCCEEDED",
+                               "container": {"logStreamName": f"train/default/node-{node}"}}
+        return out
+
+    monkeypatch.setattr(cli, "_describe_jobs", describe)
+    out = run_json(capsys, "logs", "run-ok", "train", "--node", "2")
+    assert out["job_id"] == f"{train_id}#2" and [e["message"] for e in out["events"]] == ["rank 16 ready"]
+    assert cli.main([*BASE, "logs", "run-ok", "train", "--node", "3"]) == 2
+    assert "has nodes 0..2" in capsys.readouterr().err
+
+
+def test_logs_node_of_a_single_node_job_is_a_usage_error(world, capsys):
+    assert cli.main([*BASE, "logs", "run-ok", "prepare", "--node", "1"]) == 2
+    assert "single-node job; drop --node" in capsys.readouterr().err
+
+
+def test_logs_follow_prints_new_lines_until_the_job_ends(world, capsys, monkeypatch):
+    train_id, stream = _train_job(world, capsys)
+    _put(stream, "before follow")
+    statuses = iter(["RUNNING", "RUNNING", "SUCCEEDED"])  # as DescribeJobs reports it on each poll
+    real = cli._describe_jobs
+    monkeypatch.setattr(cli, "_describe_jobs", lambda ctx, ids: {
+        k: ({**v, "status": next(statuses, "SUCCEEDED")} if k == train_id else v) for k, v in real(ctx, ids).items()})
+    arrivals = iter([["step 20 loss 0.40"], ["step 30 loss 0.35", "done"]])  # written while we wait
+
+    def wait(_seconds):
+        messages = next(arrivals, [])
+        if messages:
+            _put(stream, *messages)
+
+    monkeypatch.setattr(cli, "follow", functools.partial(cli.follow, sleep=wait))
+    capsys.readouterr()
+    assert cli.main([*BASE, "logs", "run-ok", "train", "--follow", "--interval", "0"]) == 0
+    out = capsys.readouterr().out
+    lines = [ln.split("  ", 1)[1] for ln in out.splitlines() if "  " in ln and ln[:4].isdigit()]
+    assert lines[-4:] == ["before follow", "step 20 loss 0.40", "step 30 loss 0.35", "done"]
+    assert f"job {train_id} ended: SUCCEEDED" in out
