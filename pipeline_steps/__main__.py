@@ -15,6 +15,7 @@ import logging
 import os
 import argparse
 import sys
+from pathlib import Path
 
 from .completion import autocomplete, version_line
 from .errors import ExitCode, StepError, record_exit_code
@@ -36,6 +37,28 @@ def _usage() -> str:
     lines += [f"  {name:<10} {desc}" for name, (_, desc) in STEPS.items()]
     lines += ["", "exit codes: " + ", ".join(f"{c.value}={c.name.lower()}" for c in ExitCode)]
     return "\n".join(lines)
+
+
+# The pipeline's steps (a child run each of the pipeline's MLflow run); run-local and bench are not.
+TRACKED_STEPS = ("prepare", "sanity", "compile", "train", "validate", "embed")
+
+
+def _run_dir_of(args: list[str]) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == "--run-dir" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--run-dir="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _track_failure(step: str, args: list[str], error: str, exit_code: int) -> None:
+    """A failed pipeline step leaves a FAILED child run with its error (tracking never raises)."""
+    run_dir = _run_dir_of(args)
+    if step in TRACKED_STEPS and run_dir:
+        from . import tracking
+
+        tracking.log_failure(step, Path(run_dir), error=error, exit_code=int(exit_code))
 
 
 def completion_parser() -> argparse.ArgumentParser:
@@ -85,9 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(f"pipeline_steps.{step}").error("%s (exit %d: %s)", exc, exc.exit_code,
                                                           exc.exit_code.name.lower())
         code = int(exc.exit_code)
-    except Exception:
+        _track_failure(step, rest, f"{type(exc).__name__}: {exc}", code)
+    except Exception as exc:
         # A bug: keep the traceback, but still tell the entrypoint it was not retryable.
         record_exit_code(ExitCode.INTERNAL)
+        _track_failure(step, rest, f"{type(exc).__name__}: {exc}", ExitCode.INTERNAL)
         raise
     if code:
         record_exit_code(code)
