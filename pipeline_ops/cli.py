@@ -703,7 +703,8 @@ def main(argv: list[str] | None = None) -> int:
         err.print(f"error: AWS: {exc}", markup=False)
         return 1
     if args.json:
-        print(json.dumps(out, indent=2, default=str))
+        # `logs --follow --json` printed one object per line: its summary is one line too
+        print(json.dumps(out, indent=None if getattr(args, "follow", False) else 2, default=str))
     else:
         render(Console(), out)
     return 0

@@ -10,10 +10,10 @@ anything else is a bug and keeps its traceback (exit 1). `--version` prints the 
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import logging
 import os
-import argparse
 import sys
 from pathlib import Path
 
@@ -39,8 +39,8 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-# The pipeline's steps (a child run each of the pipeline's MLflow run); run-local and bench are not.
-TRACKED_STEPS = ("prepare", "sanity", "compile", "train", "validate", "embed")
+# The pipeline's steps (a child run each of the pipeline's MLflow run); run-local and bench are tools.
+TRACKED_STEPS = frozenset(STEPS) - {"run-local", "bench"}
 
 
 def _run_dir_of(args: list[str]) -> str | None:
