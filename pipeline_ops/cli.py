@@ -621,6 +621,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
+    return value
+
+
 def _price(text: str) -> str:
     try:
         cost_lib.parse_overrides([text])
@@ -663,7 +673,7 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("--node", type=int, default=None, help="node N of a multi-node step (default: the main node)")
     logs.add_argument("--follow", "-f", action="store_true",
                       help="keep printing new lines until the job ends (like tail -f)")
-    logs.add_argument("--interval", type=float, default=5.0, help="seconds between reads with --follow")
+    logs.add_argument("--interval", type=_positive_float, default=5.0, help="seconds between reads with --follow")
     sub.add_parser("buckets", parents=[common], help="the stage's data and artifacts buckets")
     stop = sub.add_parser("stop", parents=[common], help="stop a running run")
     stop.add_argument("run")

@@ -263,6 +263,7 @@ def no_credentials(monkeypatch, tmp_path):
     (["logs", "run-ok", "bogus"], "invalid choice: 'bogus'"),
     (["logs", "run-ok", "Train", "--lines", "0"], "'0' is not a whole number >= 1"),
     (["runs", "--max", "many"], "'many' is not a whole number >= 1"),
+    (["logs", "run-ok", "train", "--follow", "--interval", "0"], "'0' is not a number of seconds > 0"),
     (["start", "--data-uri", "incoming/c/v1/", "--nodes", "0"], "'0' is not a whole number >= 1"),
     (["status", "--price", "trn1.2xlarge"], "INSTANCE_TYPE=USD_PER_HOUR"),
     (["statsu"], "invalid choice: 'statsu'"),
@@ -368,7 +369,7 @@ def test_logs_follow_prints_new_lines_until_the_job_ends(world, capsys, monkeypa
 
     monkeypatch.setattr(cli, "follow", functools.partial(cli.follow, sleep=wait))
     capsys.readouterr()
-    assert cli.main([*BASE, "logs", "run-ok", "train", "--follow", "--interval", "0"]) == 0
+    assert cli.main([*BASE, "logs", "run-ok", "train", "--follow", "--interval", "0.01"]) == 0
     out = capsys.readouterr().out
     lines = [ln.split("  ", 1)[1] for ln in out.splitlines() if "  " in ln and ln[:4].isdigit()]
     assert lines[-4:] == ["before follow", "step 20 loss 0.40", "step 30 loss 0.35", "done"]
