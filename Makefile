@@ -5,16 +5,18 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-RUN_DIR ?= runs/demo
 PRESET ?= small
 BACKEND ?= cpu
+# One run dir per preset and backend: every step resumes what its run dir holds, so a second
+# `make demo PRESET=tiny` or `BACKEND=xla` must not land in the first run's directory.
+RUN_DIR ?= runs/demo-$(PRESET)-$(BACKEND)
 
-.PHONY: demo test venv synth infra-diff snapshots bench clean
+.PHONY: demo check-node test venv synth infra-diff snapshots bench clean cdk-cli cdk lock
 # jsii (the CDK's Node bridge) warns on every run about Node 20's end of life; the warning is noise here.
 export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 STAGE ?= dev
 # A zone ID for offline synthesis only (what `make synth`/`make demo` write is never deployed).
-# Deploys pass their own with `npx cdk deploy -c training_az_id=...`, which has no default
+# Deploys pass their own with `make cdk ARGS="deploy -c training_az_id=..."`, which has no default
 # (docs/infrastructure.md, "Training zone by ID").
 AZ_ID ?= use1-az6
 
@@ -30,9 +32,13 @@ venv: $(STAMP)
 
 # The whole pipeline on the bundled demo data, then the CloudFormation templates. Rerunning is
 # cheap: every step resumes or skips what its run dir already holds.
-demo: $(STAMP)
+demo: check-node $(STAMP)
 	$(PY) -m pipeline_steps run-local --run-dir $(RUN_DIR) --preset $(PRESET) --backend $(BACKEND)
 	$(MAKE) --no-print-directory synth
+
+# Before the long install and training: synthesis at the end of the demo needs Node.js.
+check-node:
+	@$(PYTHON) scripts/check_node.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q
@@ -48,8 +54,34 @@ infra-diff: $(STAMP)
 snapshots: $(STAMP)
 	$(PY) scripts/infra_diff.py --update
 
+# ---- deploys: the pinned CDK CLI (package-lock.json) and the locked Python set (deploy-constraints.txt)
+CDK := node_modules/.bin/cdk
+DEPLOY_VENV := .venv-deploy
+DEPLOY_STAMP := $(DEPLOY_VENV)/.installed
+
+$(CDK): package.json package-lock.json
+	npm ci --no-audit --no-fund
+	touch $(CDK)
+
+cdk-cli: check-node $(CDK)
+
+$(DEPLOY_STAMP): pyproject.toml deploy-constraints.txt
+	test -x $(DEPLOY_VENV)/bin/python || $(PYTHON) -m venv $(DEPLOY_VENV)
+	$(DEPLOY_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(DEPLOY_VENV)/bin/python -m pip install --quiet -c deploy-constraints.txt '.[infra,ops]'
+	touch $(DEPLOY_STAMP)
+
+# Any CDK CLI command with the pinned CLI and the locked libraries (cdk.json runs `python3 app.py`,
+# the deploy venv's python3 here): make cdk ARGS="diff -c stage=prod -c training_az_id=use1-az6"
+cdk: cdk-cli $(DEPLOY_STAMP)
+	PATH="$(CURDIR)/$(DEPLOY_VENV)/bin:$$PATH" $(CDK) $(ARGS)
+
+# After an intended dependency upgrade in .venv: rewrite deploy-constraints.txt from it.
+lock: $(STAMP)
+	$(PY) scripts/lock_deploy.py
+
 bench: $(STAMP)
 	$(PY) -m pipeline_steps bench --quick --out bench.json
 
 clean:
-	rm -rf cdk.out runs .pytest_cache
+	rm -rf cdk.out runs .pytest_cache $(DEPLOY_VENV)

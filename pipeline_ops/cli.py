@@ -1,10 +1,13 @@
+# PYTHON_ARGCOMPLETE_OK
 """trainium-runs: start, watch and stop training pipeline runs on AWS, and see what they cost.
 
     trainium-runs [--stage dev] start --data-uri incoming/catalog/2026-01-05/ [--base-model RUN] [--nodes 4] [--share experiments]
     trainium-runs buckets               the stage's data and artifacts buckets (Storage stack outputs)
-    trainium-runs status [RUN]          state timeline, Batch jobs (ids, nodes, instance, times), cost, failure reason
+    trainium-runs status [RUN]          state timeline, Batch jobs (ids, nodes, instance, times), cost, failure
+                                        reason; a running Train's step, loss, tokens/s and ETA (heartbeat metrics)
     trainium-runs runs [--max 10]       recent runs: outcome, gate metrics, cost
-    trainium-runs logs RUN STEP         the main node's CloudWatch log of that step's Batch job
+    trainium-runs logs RUN STEP [--follow] [--node N]   a step's CloudWatch log (main node or node N)
+    trainium-runs --version             the package version
     trainium-runs stop RUN              stop the execution (Step Functions terminates the running job)
 
 The state machine is the `StateMachineArn` output of the stack `<project>-<stage>-Pipeline`
@@ -12,10 +15,14 @@ The state machine is the `StateMachineArn` output of the stack `<project>-<stage
 output of `<project>-<stage>-Storage`: `--data-uri incoming/<dataset>/<version>/` is a key in it,
 and an s3:// URI must name it (only that bucket is linked to /fsx/data). RUN is the run id (= the execution name) or
 an execution ARN; `status` without RUN shows the latest run. Add `--json` for scripts. Costs are
-Batch job time x nodes x on-demand price (pipeline_steps/cost.py); `--price TYPE=USD` adds or
-overrides a price (e.g. `--price trn1.2xlarge=1.34`, which the built-in table cannot cite).
+Batch job time x nodes x on-demand price (pipeline_steps/cost.py): from the AWS Price List API
+(pricing:GetProducts), else the committed table (`--offline-prices`: the table only); the output
+says which. `--price TYPE=USD` adds or overrides a price (e.g. `--price trn1.2xlarge=1.34`).
 
-Exit codes: 0 ok; 1 AWS API error; 2 usage error; 3 unknown run / step / log stream;
+Usage errors (unknown command or step, bad numbers, a malformed --price) are found before any AWS
+call. Shell completion: eval "$(register-python-argcomplete trainium-runs)" (argcomplete).
+
+Exit codes: 0 ok; 1 AWS API error; 2 usage error; 3 unknown run / log stream / missing job;
 4 wrong stage or state machine (stack or output missing, no region); 5 no AWS credentials;
 6 a run with that name already exists.
 """
@@ -28,9 +35,10 @@ import os
 import sys
 import time
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from pipeline_steps import cost as cost_lib
+from pipeline_steps.completion import autocomplete, version_line
 
 from . import runs as R
 
@@ -62,7 +70,9 @@ class Context:
         self._clients: dict[str, Any] = {}
         self._outputs: dict[str, dict[str, str]] = {}
         self._arn: str | None = None
-        self.prices = cost_lib.PriceTable(self.region, overrides=cost_lib.parse_overrides(args.price))
+        self.prices = cost_lib.PriceTable(
+            self.region, overrides=cost_lib.parse_overrides(args.price),
+            price_list=None if args.offline_prices else cost_lib.PriceList.from_session(self.session))
 
     def client(self, name: str) -> Any:
         if name not in self._clients:
@@ -184,6 +194,7 @@ def run_summary(ctx: Context, execution: dict[str, Any], *, now: float | None = 
             "started": R.iso(R._epoch(job.record.get("startedAt"))),
             "stopped": R.iso(R._epoch(job.record.get("stoppedAt"))),
             "seconds": round(step.seconds, 3), "cost_usd": step.as_dict()["cost_usd"],
+            "price_source": step.price_source,
             "status_reason": job.record.get("statusReason"),
         })
     output = json.loads(execution.get("output") or "{}")
@@ -201,6 +212,10 @@ def run_summary(ctx: Context, execution: dict[str, Any], *, now: float | None = 
                    "cause": (failed[-1].cause if failed else None) or execution.get("cause"),
                    "job_id": failed_job["job_id"] if failed_job else None,
                    "job_status_reason": failed_job["status_reason"] if failed_job else None}
+    train = jobs.get("Train")
+    progress = None
+    if execution["status"] == "RUNNING" and train is not None and train.record.get("status") == "RUNNING":
+        progress = train_progress(ctx, execution["name"], train.record, now=now)
     return {
         "run_id": execution["name"], "execution_arn": execution["executionArn"], "status": execution["status"],
         "end_state": visits[-1].name if visits and execution["status"] != "RUNNING" else None,
@@ -214,7 +229,53 @@ def run_summary(ctx: Context, execution: dict[str, Any], *, now: float | None = 
         "jobs": job_rows,
         "cost": cost_lib.run_cost(step_costs, comparison=cost_lib.GpuComparison()),
         "failure": failure,
+        "train_progress": progress,
     }
+
+
+def heartbeat_series(ctx: Context, run_id: str, *, start: float, end: float) -> dict[str, list[tuple[float, float]]]:
+    """The run's heartbeat metrics (pipeline_steps/heartbeat.py: namespace, the [Stage, RunId]
+    dimension set) between start and end, one point per minute, via CloudWatch GetMetricData."""
+    from pipeline_steps import heartbeat
+
+    dimensions = [{"Name": heartbeat.DIMENSION, "Value": ctx.args.stage},
+                  {"Name": heartbeat.RUN_ID_DIMENSION, "Value": run_id}]
+    stat = {heartbeat.METRIC_STEP: "Maximum"}
+    queries = [{"Id": f"m{i}", "Label": name, "ReturnData": True,
+                "MetricStat": {"Metric": {"Namespace": heartbeat.NAMESPACE, "MetricName": name, "Dimensions": dimensions},
+                               "Period": 60, "Stat": stat.get(name, "Average")}}
+               for i, (name, _) in enumerate(heartbeat.METRICS)]
+    pages = ctx.client("cloudwatch").get_paginator("get_metric_data").paginate(
+        MetricDataQueries=queries, StartTime=datetime.fromtimestamp(start, timezone.utc),
+        EndTime=datetime.fromtimestamp(end, timezone.utc))
+    series: dict[str, list[tuple[float, float]]] = {}
+    for page in pages:
+        for result in page["MetricDataResults"]:
+            points = zip((t.timestamp() for t in result["Timestamps"]), result["Values"])
+            series.setdefault(result["Label"], []).extend(points)
+    return series
+
+
+def train_progress(ctx: Context, run_id: str, record: dict[str, Any], *, now: float | None = None
+                   ) -> dict[str, Any] | None:
+    """A running Train's step, loss, tokens/s and ETA: heartbeat metrics, plus the planned step
+    count from the newest progress line of the main node's log."""
+    now = time.time() if now is None else now
+    started = R._epoch(record.get("startedAt")) or now - 3 * 3600
+    series = heartbeat_series(ctx, run_id, start=started - 60, end=now + 60)
+    total = None
+    main = R.main_node_job_id(record)
+    main_record = _describe_jobs(ctx, [main]).get(main, {}) if main else record
+    group, stream = R.log_location(main_record)
+    if stream:
+        logs = ctx.client("logs")
+        try:
+            events = logs.get_log_events(logGroupName=group, logStreamName=stream, limit=200,
+                                         startFromHead=False)["events"]
+        except logs.exceptions.ResourceNotFoundException:
+            events = []
+        total = R.total_steps_from_log([e["message"] for e in events])
+    return R.train_progress(series, total, now=now)
 
 
 # ---- commands -------------------------------------------------------------------------------------
@@ -285,40 +346,84 @@ def cmd_runs(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
         rows.append({k: summary[k] for k in ("run_id", "status", "end_state", "current_state", "started",
                                              "seconds", "metrics", "gate_passed")}
                     | {"cost_usd": summary["cost"]["total_usd"], "unpriced": summary["cost"]["unpriced"],
+                       "price_sources": summary["cost"]["price_sources"],
                        "failed_state": (summary["failure"] or {}).get("state")})
     return {"state_machine_arn": ctx.state_machine_arn, "runs": rows}
 
 
-def cmd_logs(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
+TERMINAL_JOB_STATUSES = ("SUCCEEDED", "FAILED")
+
+
+def _log_target(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
+    """The run, step, job id, record and log stream `logs` reads (the node's or array child's)."""
     execution = _describe_execution(ctx, args.run)
     _, jobs = R.parse_history(_history(ctx, execution["executionArn"]))
-    state = next((s for s in R.BATCH_STATES if s.lower() == args.step.lower()), None)
-    if state is None:
-        raise R.NotFoundError(f"unknown step {args.step!r}; steps: {', '.join(s.lower() for s in R.BATCH_STATES)}.")
+    state = next(s for s in R.BATCH_STATES if s.lower() == args.step)  # argparse checked the name
     job = jobs.get(state)
     if job is None or not job.job_id:
         raise R.NotFoundError(f"run {execution['name']} has no {state} job (yet); `trainium-runs status "
                               f"{execution['name']}` shows how far it got.")
     job_id = job.job_id
     record = _describe_jobs(ctx, [job_id]).get(job_id, {})
-    main_node = R.main_node_job_id(record)
-    if main_node:  # multi-node: the main node's own job record carries its log stream
-        job_id, record = main_node, _describe_jobs(ctx, [main_node]).get(main_node, {})
+    try:
+        node_job = R.node_job_id(record, args.node)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.node is not None and node_job is None:
+        raise UsageError(f"--node {args.node}: the {state} job {job_id} is a single-node job; drop --node.")
+    if node_job:  # multi-node: the node's own job record carries its log stream
+        job_id, record = node_job, _describe_jobs(ctx, [node_job]).get(node_job, {})
     elif job.array_size:
         job_id = f"{job.job_id}:{args.index}"
         record = _describe_jobs(ctx, [job_id]).get(job_id, {})
     group, stream = R.log_location(record)
     if not stream:
         raise R.NotFoundError(f"{state} job {job_id} has no log stream yet (status {record.get('status', '?')}).")
+    return {"run_id": execution["name"], "step": state, "job_id": job_id, "log_group": group, "log_stream": stream}
+
+
+def _event(e: dict[str, Any]) -> dict[str, Any]:
+    return {"timestamp": R.iso(e["timestamp"] / 1000.0), "message": e["message"]}
+
+
+def cmd_logs(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
+    target = _log_target(ctx, args)
     logs = ctx.client("logs")
     try:
-        events = logs.get_log_events(logGroupName=group, logStreamName=stream, limit=args.lines,
-                                     startFromHead=args.head)["events"]
+        page = logs.get_log_events(logGroupName=target["log_group"], logStreamName=target["log_stream"],
+                                   limit=args.lines, startFromHead=args.head)
     except logs.exceptions.ResourceNotFoundException:
-        raise R.NotFoundError(f"log stream {group}/{stream} of job {job_id} not found (expired or not "
-                              "written yet).") from None
-    return {"run_id": execution["name"], "step": state, "job_id": job_id, "log_group": group, "log_stream": stream,
-            "events": [{"timestamp": R.iso(e["timestamp"] / 1000.0), "message": e["message"]} for e in events]}
+        raise R.NotFoundError(f"log stream {target['log_group']}/{target['log_stream']} of job {target['job_id']} "
+                              "not found (expired or not written yet).") from None
+    events = page["events"]
+    if not args.follow:
+        return {**target, "events": [_event(e) for e in events]}
+    out = {**target, "events": []}
+    if args.json:
+        print(json.dumps({k: v for k, v in out.items() if k != "events"}), flush=True)
+    else:
+        _print_log_header(out)
+    for event in [*events, *follow(ctx, target, page["nextForwardToken"], args.interval)]:
+        print(json.dumps(_event(event)) if args.json else _log_line(_event(event)), flush=True)
+        out["followed"] = out.get("followed", 0) + 1
+    out["job_status"] = _describe_jobs(ctx, [target["job_id"]]).get(target["job_id"], {}).get("status")
+    return out
+
+
+def follow(ctx: Context, target: dict[str, Any], token: str, interval: float, *,
+           sleep: Callable[[float], None] = time.sleep) -> Iterator[dict[str, Any]]:
+    """The stream's events after `token` as they arrive (GetLogEvents with startFromHead and the
+    forward token), until the job has ended and a last read finds nothing new."""
+    logs = ctx.client("logs")
+    while True:
+        done = _describe_jobs(ctx, [target["job_id"]]).get(target["job_id"], {}).get("status") in TERMINAL_JOB_STATUSES
+        page = logs.get_log_events(logGroupName=target["log_group"], logStreamName=target["log_stream"],
+                                   nextToken=token, startFromHead=True)
+        yield from page["events"]
+        if done and not page["events"]:
+            return
+        token = page["nextForwardToken"]
+        sleep(interval)
 
 
 def cmd_buckets(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
@@ -385,6 +490,8 @@ def render_status(console: Any, out: dict[str, Any]) -> None:
         jobs.add_row(j["step"], j["job_id"] or "-", _c(j["status"]), str(j["nodes"]), j["instance_type"],
                      _hms(j["seconds"]), _usd(j["cost_usd"]))
     console.print(jobs)
+    if out.get("train_progress"):
+        _render_progress(console, out["train_progress"])
     _render_cost(console, out["cost"])
     if out["metrics"]:
         console.print("gate: " + ("passed" if out["gate_passed"] else "rejected") + ", "
@@ -400,11 +507,21 @@ def render_status(console: Any, out: dict[str, Any]) -> None:
             console.print(f"  cause: {str(f['cause'])[:500]}")
 
 
+def _render_progress(console: Any, p: dict[str, Any]) -> None:
+    step = f"{p['step']}/{p['total_steps']}" if p["total_steps"] else str(p["step"])
+    loss = "-" if p["loss"] is None else f"{p['loss']:.4f}"
+    tokens = "-" if p["tokens_per_s"] is None else f"{p['tokens_per_s']:,.0f}"
+    console.print(f"train: step {step}, loss {loss}, {tokens} tokens/s, ETA {_hms(p['eta_seconds'])} "
+                  f"(last heartbeat {p['heartbeat_age_seconds']:.0f} s ago)")
+
+
 def _render_cost(console: Any, cost: dict[str, Any]) -> None:
     note = " so far" if cost["running"] else ""
     if cost["unpriced"]:
         note += f" (no price for: {', '.join(cost['unpriced'])}; add --price TYPE=USD)"
     console.print(f"compute cost{note}: {_usd(cost['total_usd'])} over {cost['node_hours']:.2f} node-hours")
+    if cost.get("price_sources"):
+        console.print(f"prices from: {'; '.join(cost['price_sources'])}")
     gpu = cost.get("gpu_comparison") or {}
     if gpu.get("gpu_cost_usd") is not None:
         console.print(f"training on {gpu['gpu_instance']} would cost about {_usd(gpu['gpu_cost_usd'])} "
@@ -428,12 +545,26 @@ def render_runs(console: Any, out: dict[str, Any]) -> None:
     console.print(table)
     if any(r["unpriced"] for r in out["runs"]):
         console.print("+ = some steps have no price in the table for this region; add --price TYPE=USD")
+    sources = sorted({source for r in out["runs"] for source in r["price_sources"]})
+    if sources:
+        console.print(f"prices from: {'; '.join(sources)}")
+
+
+def _print_log_header(out: dict[str, Any]) -> None:
+    print(f"{out['log_group']} {out['log_stream']} (job {out['job_id']})", flush=True)
+
+
+def _log_line(e: dict[str, Any]) -> str:
+    return f"{e['timestamp']}  {e['message']}"
 
 
 def render_logs(console: Any, out: dict[str, Any]) -> None:
+    if "job_status" in out:  # --follow printed the events as they came
+        console.print(f"job {out['job_id']} ended: {out['job_status']}", markup=False, highlight=False)
+        return
     console.print(f"[dim]{out['log_group']} {out['log_stream']} (job {out['job_id']})[/dim]")
     for e in out["events"]:
-        console.print(f"{e['timestamp']}  {e['message']}", markup=False, highlight=False)
+        console.print(_log_line(e), markup=False, highlight=False)
 
 
 def render_stop(console: Any, out: dict[str, Any]) -> None:
@@ -471,17 +602,51 @@ def _common(suppress: bool) -> argparse.ArgumentParser:
     common.add_argument("--profile", default=default(None), help="AWS profile")
     common.add_argument("--state-machine-arn", default=default(None), help="skip the stack lookup")
     common.add_argument("--json", action="store_true", default=default(False), help="machine-readable output")
-    common.add_argument("--price", action="append", metavar="TYPE=USD", default=default(None),
+    common.add_argument("--price", action="append", metavar="TYPE=USD", default=default(None), type=_price,
                         help="on-demand USD/hour for an instance type (repeatable; overrides the table)")
+    common.add_argument("--offline-prices", action="store_true", default=default(False),
+                        help="price with the committed table only (no AWS Price List API call)")
     common.add_argument("--training-instance-type", default=default(None))
     common.add_argument("--single-node-instance-type", default=default(None))
     return common
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
+    return value
+
+
+def _price(text: str) -> str:
+    try:
+        cost_lib.parse_overrides([text])
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+STEP_NAMES = tuple(s.lower() for s in R.BATCH_STATES)
 
 
 def build_parser() -> argparse.ArgumentParser:
     common = _common(suppress=True)
     parser = argparse.ArgumentParser(prog="trainium-runs", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter, parents=[_common(suppress=False)])
+    parser.add_argument("--version", action="version", version=version_line("trainium-runs"))
     sub = parser.add_subparsers(dest="command", required=True)
     start = sub.add_parser("start", parents=[common], help="start a run")
     start.add_argument("--data-uri", required=True,
@@ -490,21 +655,25 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--base-model", default=None,
                        help="run id, /fsx/runs/<run>[/checkpoints/...] to start from ('' = from scratch; "
                             "default: the published model)")
-    start.add_argument("--nodes", type=int, default=None, help="nodes for sanity/compile/train")
+    start.add_argument("--nodes", type=_positive_int, default=None, help="nodes for sanity/compile/train")
     start.add_argument("--share", default=None, help="fair-share identifier (production | experiments)")
     start.add_argument("--priority", type=int, default=None)
-    start.add_argument("--embed-shards", type=int, default=None)
+    start.add_argument("--embed-shards", type=_positive_int, default=None)
     start.add_argument("--name", default=None, help="run id (default <dataset>-<version>-<UTC time>)")
     status = sub.add_parser("status", parents=[common], help="one run in detail (default: the latest)")
     status.add_argument("run", nargs="?", default=None)
     recent = sub.add_parser("runs", parents=[common], help="recent runs")
-    recent.add_argument("--max", type=int, default=10)
+    recent.add_argument("--max", type=_positive_int, default=10)
     logs = sub.add_parser("logs", parents=[common], help="the main node's log of a step")
     logs.add_argument("run")
-    logs.add_argument("step", help="prepare | sanity | compile | train | validate | embed")
-    logs.add_argument("--lines", type=int, default=200)
+    logs.add_argument("step", type=str.lower, choices=STEP_NAMES, help=" | ".join(STEP_NAMES))
+    logs.add_argument("--lines", type=_positive_int, default=200)
     logs.add_argument("--head", action="store_true", help="from the start of the stream (default: the end)")
     logs.add_argument("--index", type=int, default=0, help="array child for embed")
+    logs.add_argument("--node", type=int, default=None, help="node N of a multi-node step (default: the main node)")
+    logs.add_argument("--follow", "-f", action="store_true",
+                      help="keep printing new lines until the job ends (like tail -f)")
+    logs.add_argument("--interval", type=_positive_float, default=5.0, help="seconds between reads with --follow")
     sub.add_parser("buckets", parents=[common], help="the stage's data and artifacts buckets")
     stop = sub.add_parser("stop", parents=[common], help="stop a running run")
     stop.add_argument("run")
@@ -517,7 +686,12 @@ def main(argv: list[str] | None = None) -> int:
     from botocore.exceptions import ProfileNotFound
     from rich.console import Console
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    autocomplete(parser)
+    try:
+        args = parser.parse_args(argv)  # usage errors end here, before any credential lookup
+    except SystemExit as exc:  # --help/--version (0) or a usage error (2): returned, like every other code
+        return int(exc.code or 0)
     command, render = COMMANDS[args.command]
     err = Console(stderr=True, soft_wrap=True)  # one line per error: scripts grep it
     try:
@@ -539,7 +713,8 @@ def main(argv: list[str] | None = None) -> int:
         err.print(f"error: AWS: {exc}", markup=False)
         return 1
     if args.json:
-        print(json.dumps(out, indent=2, default=str))
+        # `logs --follow --json` printed one object per line: its summary is one line too
+        print(json.dumps(out, indent=None if getattr(args, "follow", False) else 2, default=str))
     else:
         render(Console(), out)
     return 0

@@ -184,7 +184,8 @@ def job_cost(job: StepJob, prices: cost_lib.PriceTable, *, training: str, single
         priced = [cost_lib.step_cost(job.state, instance_type=instance, nodes=1, started_at=_epoch(c.get("startedAt")),
                                      stopped_at=_epoch(c.get("stoppedAt")), prices=prices, now=now) for c in children]
         return cost_lib.StepCost(job.state, instance, len(children), sum(p.seconds for p in priced) / len(children),
-                                 prices.price(instance), running=any(p.running for p in priced))
+                                 prices.price(instance), running=any(p.running for p in priced),
+                                 price_source=prices.source(instance))
     nodes = job_nodes(job)
     if job.array_size and not children:
         nodes = int(job.array_size)  # no child records: bound by the parent's span x size
@@ -216,3 +217,59 @@ def main_node_job_id(record: dict[str, Any]) -> str | None:
     if not props:
         return None
     return f"{record['jobId']}#{props.get('mainNode', 0)}"
+
+
+def node_job_id(record: dict[str, Any], node: int | None) -> str | None:
+    """The child job of node `node` of a multi-node job (`<jobId>#<node>`, whose record carries that
+    node's log stream); the main node when `node` is None. ValueError for a node the job lacks."""
+    props = record.get("nodeProperties")
+    if not props:
+        return None
+    if node is None:
+        return main_node_job_id(record)
+    num_nodes = int(props.get("numNodes", 1))
+    if not 0 <= node < num_nodes:
+        raise ValueError(f"--node {node}: job {record['jobId']} has nodes 0..{num_nodes - 1}")
+    return f"{record['jobId']}#{node}"
+
+
+# ---- a running Train: heartbeat metrics (pipeline_steps/heartbeat.py) ------------------------------
+_PROGRESS_LINE = re.compile(r"\btrain step (\d+)/(\d+)\b")  # pipeline_steps/progress.py's log line
+
+
+def total_steps_from_log(messages: list[str]) -> int | None:
+    """The planned step count from the newest `train step N/TOTAL` progress line, if any."""
+    for message in reversed(messages):
+        match = _PROGRESS_LINE.search(message)
+        if match:
+            return int(match.group(2))
+    return None
+
+
+def train_progress(series: dict[str, list[tuple[float, float]]], total_steps: int | None,
+                   *, now: float) -> dict[str, Any] | None:
+    """Step, loss, tokens/s and ETA of a running Train from its heartbeat series
+    ({metric name: [(epoch seconds, value), ...]}), None before the first heartbeat.
+
+    The step rate is the slope of TrainStep over the points returned (newest minus oldest), so a
+    restart from a checkpoint or a slow first step only weighs as much as it lasted."""
+    from pipeline_steps import heartbeat
+
+    steps = sorted(series.get(heartbeat.METRIC_STEP, []))
+    if not steps:
+        return None
+
+    def latest(name: str) -> float | None:
+        points = sorted(series.get(name, []))
+        return points[-1][1] if points else None
+
+    (t_first, s_first), (t_last, s_last) = steps[0], steps[-1]
+    rate = (s_last - s_first) / (t_last - t_first) if t_last > t_first and s_last > s_first else None
+    eta = None
+    if rate and total_steps:
+        eta = max(total_steps - s_last, 0) / rate
+    return {"step": int(s_last), "total_steps": total_steps, "loss": latest(heartbeat.METRIC_LOSS),
+            "tokens_per_s": latest(heartbeat.METRIC_TOKENS_PER_S),
+            "steps_per_s": None if rate is None else round(rate, 4),
+            "eta_seconds": None if eta is None else round(eta, 1),
+            "last_heartbeat": iso(t_last), "heartbeat_age_seconds": round(now - t_last, 1)}

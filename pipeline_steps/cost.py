@@ -10,16 +10,22 @@ This is compute only, priced on demand (what Batch launches for multi-node jobs:
 supported for them). It leaves out FSx, S3, NAT, instance boot time before the container starts
 and the time a node idles between jobs, so it is a lower bound of the bill, good for comparing runs.
 
-Prices: `ON_DEMAND_USD_PER_HOUR` holds only prices we can cite (PRICE_SOURCES). A region or
-instance type not in the table has no price: its cost shows as unknown (None) rather than a guess;
-pass it with `--price INSTANCE=USD` (CLI) or `PriceTable(overrides=...)`.
+Prices, first match wins: an override (`--price INSTANCE=USD`), the AWS Price List API (boto3
+`pricing`, any region and instance type, when a `PriceList` is given: trainium-runs does unless
+`--offline-prices`), then the committed table `ON_DEMAND_USD_PER_HOUR` (prices we can cite,
+PRICE_SOURCES). With none of them the cost shows as unknown (None) rather than a guess. Every
+step's cost says which source priced it (`price_source`).
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+log = logging.getLogger(__name__)
 
 # ---- prices ------------------------------------------------------------------------------------
 # Linux, shared tenancy, On-Demand, USD per instance-hour, from the AWS Price List bulk API
@@ -41,19 +47,87 @@ PRICE_SOURCES: Mapping[str, str] = {
 }
 
 
-@dataclass(frozen=True)
+SOURCE_OVERRIDE = "override (--price)"
+SOURCE_PRICE_LIST = "AWS Price List API"
+SOURCE_LOCAL = "local (no compute price)"
+
+
+class PriceList:
+    """On-demand Linux prices from the AWS Price List Query API (`pricing:GetProducts`).
+
+    The API is served from us-east-1 (also eu-central-1 and ap-south-1) whatever region is priced
+    (https://docs.aws.amazon.com/awsaccountbilling/latest/aboutv2/using-price-list-query-api.html);
+    the filters pick the one EC2 product a Batch instance is billed as: Linux, shared tenancy, no
+    pre-installed software, no license, capacitystatus Used (a running instance, not a reservation).
+    """
+
+    def __init__(self, client: Any) -> None:
+        self.client = client  # boto3.client("pricing", region_name="us-east-1")
+
+    @classmethod
+    def from_session(cls, session: Any) -> "PriceList":
+        return cls(session.client("pricing", region_name="us-east-1"))
+
+    def filters(self, region: str, instance_type: str) -> list[dict[str, str]]:
+        attrs = {"instanceType": instance_type, "regionCode": region, "operatingSystem": "Linux",
+                 "tenancy": "Shared", "preInstalledSw": "NA", "licenseModel": "No License required",
+                 "capacitystatus": "Used"}
+        return [{"Type": "TERM_MATCH", "Field": k, "Value": v} for k, v in attrs.items()]
+
+    def usd_per_hour(self, region: str, instance_type: str) -> float | None:
+        """The on-demand USD/hour, or None when the API has no single such price (or is unreachable)."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            products = self.client.get_products(ServiceCode="AmazonEC2", FormatVersion="aws_v1", MaxResults=10,
+                                                Filters=self.filters(region, instance_type))["PriceList"]
+        except (BotoCoreError, ClientError) as exc:  # offline, no credentials, no pricing:GetProducts
+            log.info("AWS Price List API unavailable (%s); using the committed price table", exc)
+            return None
+        prices = {float(dim["pricePerUnit"]["USD"])
+                  for product in products
+                  for term in json.loads(product)["terms"].get("OnDemand", {}).values()
+                  for dim in term["priceDimensions"].values() if dim.get("unit") == "Hrs"}
+        if len(prices) != 1:
+            log.info("AWS Price List API: %d on-demand prices for %s in %s; using the committed table",
+                     len(prices), instance_type, region)
+            return None
+        return prices.pop()
+
+
+@dataclass
 class PriceTable:
-    """Hourly prices for one region; `overrides` (instance type -> USD/h) win over the table."""
+    """Hourly prices for one region: overrides (instance type -> USD/h), then the Price List API
+    (when `price_list` is given), then the committed table. Each instance type is looked up once."""
 
     region: str
     overrides: Mapping[str, float] = field(default_factory=dict)
+    price_list: PriceList | None = None
+    _quotes: dict[str, tuple[float | None, str | None]] = field(default_factory=dict, repr=False)
+
+    def quote(self, instance_type: str | None) -> tuple[float | None, str | None]:
+        """(USD per hour, where it came from); (None, None) when no source has a price."""
+        if instance_type is None:
+            return None, None
+        if instance_type not in self._quotes:
+            self._quotes[instance_type] = self._lookup(instance_type)
+        return self._quotes[instance_type]
+
+    def _lookup(self, instance_type: str) -> tuple[float | None, str | None]:
+        if instance_type in self.overrides:
+            return float(self.overrides[instance_type]), SOURCE_OVERRIDE
+        if self.price_list is not None:
+            live = self.price_list.usd_per_hour(self.region, instance_type)
+            if live is not None:
+                return live, SOURCE_PRICE_LIST
+        table = ON_DEMAND_USD_PER_HOUR.get(self.region, {}).get(instance_type)
+        return (table, f"committed table ({PRICE_SOURCES[self.region]})") if table is not None else (None, None)
 
     def price(self, instance_type: str | None) -> float | None:
-        if instance_type is None:
-            return None
-        if instance_type in self.overrides:
-            return float(self.overrides[instance_type])
-        return ON_DEMAND_USD_PER_HOUR.get(self.region, {}).get(instance_type)
+        return self.quote(instance_type)[0]
+
+    def source(self, instance_type: str | None) -> str | None:
+        return self.quote(instance_type)[1]
 
 
 def parse_overrides(items: list[str] | None) -> dict[str, float]:
@@ -80,6 +154,7 @@ class StepCost:
     seconds: float
     usd_per_hour: float | None
     running: bool = False
+    price_source: str | None = None
 
     @property
     def cost_usd(self) -> float | None:
@@ -91,7 +166,8 @@ class StepCost:
         cost = self.cost_usd
         return {"step": self.step, "instance_type": self.instance_type, "nodes": self.nodes,
                 "seconds": round(self.seconds, 3), "usd_per_hour": self.usd_per_hour,
-                "cost_usd": None if cost is None else round(cost, 4), "running": self.running}
+                "cost_usd": None if cost is None else round(cost, 4), "running": self.running,
+                "price_source": self.price_source}
 
 
 def node_hours(seconds: float, nodes: int) -> float:
@@ -101,11 +177,12 @@ def node_hours(seconds: float, nodes: int) -> float:
 def step_cost(step: str, *, instance_type: str | None, nodes: int, started_at: float | None,
               stopped_at: float | None, prices: PriceTable, now: float | None = None) -> StepCost:
     """Cost of one Batch job; timestamps in epoch seconds. Not started = 0 s; no stop = running."""
+    price, source = prices.quote(instance_type)
     if started_at is None:
-        return StepCost(step, instance_type, nodes, 0.0, prices.price(instance_type))
+        return StepCost(step, instance_type, nodes, 0.0, price, price_source=source)
     end = stopped_at if stopped_at is not None else (time.time() if now is None else now)
-    return StepCost(step, instance_type, nodes, end - started_at, prices.price(instance_type),
-                    running=stopped_at is None)
+    return StepCost(step, instance_type, nodes, end - started_at, price, running=stopped_at is None,
+                    price_source=source)
 
 
 @dataclass(frozen=True)
@@ -156,6 +233,7 @@ def run_cost(steps: list[StepCost], *, comparison: GpuComparison | None = None,
         "node_hours": round(sum(node_hours(s.seconds, s.nodes) for s in steps), 4),
         "seconds": round(sum(s.seconds for s in steps), 3),
         "unpriced": unpriced,
+        "price_sources": sorted({s.price_source for s in steps if s.price_source}),
         "running": any(s.running for s in steps),
         "steps": [s.as_dict() for s in steps],
     }
@@ -168,5 +246,5 @@ def run_cost(steps: list[StepCost], *, comparison: GpuComparison | None = None,
 
 def local_cost(step_seconds: list[tuple[str, float]]) -> dict[str, Any]:
     """run-local's cost block: the same fields as on AWS, real durations, compute price 0."""
-    steps = [StepCost(name, "local", 1, seconds, 0.0) for name, seconds in step_seconds]
+    steps = [StepCost(name, "local", 1, seconds, 0.0, price_source=SOURCE_LOCAL) for name, seconds in step_seconds]
     return run_cost(steps, comparison=None)

@@ -8,11 +8,12 @@ Writes  DIR/ (every step's outputs, see the README's run-directory table) and DI
         steps[{name, status, seconds, exit_code, command}], validation{metrics, baseline, gate},
         xla{graphs_compiled, compiles_after_warmup, ...}, train{...}, embeddings{count, path}.
 
-    python -m pipeline_steps run-local --run-dir runs/demo --preset small --backend cpu
+    python -m pipeline_steps run-local --run-dir runs/demo-small-cpu --preset small --backend cpu
     PJRT_DEVICE=CPU python -m pipeline_steps run-local --run-dir runs/xla --preset tiny --backend xla
 
 Each step runs as its own process, exactly as on AWS Batch (multi-rank steps under torchrun), so
-a step that works here works there. The chain stops at the first failing step and exits with that
+a step that works here works there. A run dir belongs to one preset and backend (run-local.json):
+another one is refused with exit 78 before any step starts. The chain stops at the first failing step and exits with that
 step's exit code; a failed quality gate stops before embed, as in the state machine.
 """
 
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from . import cost, tracking
-from .errors import ExitCode
+from .errors import BadConfigError, ExitCode
 from .fileio import atomic_write_json, read_json
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,32 @@ class StepRun:
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "status": self.status, "seconds": round(self.seconds, 3),
                 "exit_code": self.exit_code, "command": self.command, **self.detail}
+
+
+RUN_IDENTITY = "run-local.json"
+
+
+def claim_run_dir(run_dir: Path, preset: str, backend: str) -> None:
+    """Refuse a run dir that holds another preset's or backend's run, before any step starts.
+
+    Every step resumes or skips what its run dir already holds, so a second run with another
+    preset would find the first one's checkpoint (train exits 78 on the model shape) and one with
+    another backend would skip training altogether. The first run-local writes DIR/run-local.json;
+    runs made before it existed are recognised by their report.json.
+    """
+    for name in (RUN_IDENTITY, "report.json"):
+        previous = _maybe(run_dir / name)
+        if previous is None:
+            continue
+        theirs = (previous.get("preset"), previous.get("backend"))
+        if theirs != (preset, backend):
+            raise BadConfigError(
+                f"{run_dir} holds a run of preset {theirs[0]!r} on backend {theirs[1]!r}, not {preset!r} on "
+                f"{backend!r}; pass another --run-dir (e.g. runs/demo-{preset}-{backend}; `make demo` picks "
+                "one per preset and backend) or delete the old one")
+        break
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(run_dir / RUN_IDENTITY, {"preset": preset, "backend": backend})
 
 
 def _python_step(step: str, *args: str) -> list[str]:
@@ -176,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--embed-shards", type=int, default=2, help="embed shards (array children on AWS)")
     args = parser.parse_args(argv)
-    args.run_dir.mkdir(parents=True, exist_ok=True)
+    claim_run_dir(args.run_dir, args.preset, args.backend)
     env = dict(os.environ)
     if args.backend == "xla":
         env.setdefault("PJRT_DEVICE", "CPU")

@@ -46,6 +46,7 @@ POINTER_FILE = "mlflow.json"
 # A failed tracking call must cost seconds, not MLflow's default minutes of retries.
 _HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 _MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
+_MAX_TAG_CHARS = 5000  # well under MLflow's limit on a tag value
 _MAX_HISTORY_POINTS = 1000  # per metric: a curve, not every step of a long run
 _PROCESS_START = time.time()  # the child run's start time (steps import this module first thing)
 _warned = False
@@ -211,10 +212,12 @@ def _session(run_dir: Path) -> _Session | None:
 
 def log_step(step: str, run_dir: Path, *, params: Mapping[str, Any] | None = None,
              metrics: Mapping[str, Any] | None = None, config: Mapping[str, Any] | None = None,
-             history: Iterable[tuple[str, float, int]] = (), status: str = "FINISHED") -> str | None:
+             history: Iterable[tuple[str, float, int]] = (), status: str = "FINISHED",
+             error: str | None = None) -> str | None:
     """Record one finished step as a child run of the pipeline run; returns its MLflow run id
     (None when tracking is off or failed). `config` is the resolved config (flattened into
-    `config.*` params and stored as config.json); `history` = (metric, value, step) points."""
+    `config.*` params and stored as config.json); `history` = (metric, value, step) points;
+    `error` (a failed step) becomes the tag `error` and the artifact error.txt."""
     session = _session(run_dir)
     if session is None:
         return None
@@ -228,6 +231,9 @@ def log_step(step: str, run_dir: Path, *, params: Mapping[str, Any] | None = Non
         session.log(child, params=all_params, metrics=metrics or {}, history=_thin(history))
         if config:
             session.client.log_dict(child, dict(config), "config.json")
+        if error is not None:
+            session.log(child, tags={"error": error[:_MAX_TAG_CHARS]})
+            session.client.log_text(child, error, "error.txt")
         # The parent carries the run-wide part of the set once (tags can be overwritten, params not).
         session.log(session.parent_id, tags={k: v for k, v in repro.items() if v is not None})
         session.client.set_terminated(child, status=status)
@@ -235,6 +241,15 @@ def log_step(step: str, run_dir: Path, *, params: Mapping[str, Any] | None = Non
     except Exception as exc:  # noqa: BLE001 - see _session
         _warn_once(f"logging step {step!r} to {session.uri}", exc)
         return None
+
+
+def log_failure(step: str, run_dir: Path, *, error: str, exit_code: int) -> str | None:
+    """A step that stopped with an error: a FAILED child run carrying the exit code and the error,
+    so the MLflow UI shows where a pipeline run broke and why. Nothing when the run dir does not
+    exist (the step failed before it had one: nothing to attach the run to)."""
+    if not Path(run_dir).is_dir():
+        return None
+    return log_step(step, Path(run_dir), params={"exit_code": exit_code}, status="FAILED", error=error)
 
 
 def log_pipeline(run_dir: Path, *, metrics: Mapping[str, Any], params: Mapping[str, Any] | None = None,

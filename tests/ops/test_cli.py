@@ -3,6 +3,7 @@ orchestration tests' Batch patch, and the CLI finds it through the stage's stack
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from unittest import mock
@@ -159,6 +160,10 @@ def test_status_shows_timeline_jobs_nodes_and_cost(world, capsys):
     assert out["cost"]["total_usd"] == pytest.approx(expected, abs=1e-3)
     assert out["cost"]["unpriced"] == []
     assert out["metrics"] == {"recall@10": 0.5} and out["gate_passed"] is True
+    # moto has no Price List API: the committed table priced the training type, and says so
+    assert jobs["Train"]["price_source"].startswith("committed table")
+    assert jobs["Prepare"]["price_source"] == "override (--price)"
+    assert sorted(out["cost"]["price_sources"]) == sorted({jobs["Train"]["price_source"], "override (--price)"})
 
 
 def test_status_of_a_failed_run_names_the_step_job_and_reason(world, capsys):
@@ -212,7 +217,7 @@ def test_logs_prints_the_jobs_log_stream(world, capsys):
 
 @pytest.mark.parametrize("args,code,message", [
     (["status", "no-such-run"], 3, "unknown run 'no-such-run'"),
-    (["logs", "run-ok", "bogus"], 3, "unknown step 'bogus'"),
+    (["logs", "run-ok", "bogus"], 2, "invalid choice: 'bogus'"),
     (["logs", "run-rejected", "embed"], 3, "has no Embed job"),
     (["--stage", "nope", "runs"], 4, "no stack TrnEmbed-nope-Pipeline"),
     (["--state-machine-arn", f"arn:aws:states:{REGION}:123456789012:stateMachine:gone", "runs"], 4, "no state machine"),
@@ -240,3 +245,132 @@ def test_missing_credentials_exit_5(capsys, monkeypatch, tmp_path):
         monkeypatch.delenv(name, raising=False)
     assert cli.main([*BASE, "runs"]) == 5
     assert "no AWS credentials" in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_credentials(monkeypatch, tmp_path):
+    """Outside moto, with no credentials anywhere."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+                 "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+                 "AWS_WEB_IDENTITY_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["logs", "run-ok", "bogus"], "invalid choice: 'bogus'"),
+    (["logs", "run-ok", "Train", "--lines", "0"], "'0' is not a whole number >= 1"),
+    (["runs", "--max", "many"], "'many' is not a whole number >= 1"),
+    (["logs", "run-ok", "train", "--follow", "--interval", "0"], "'0' is not a number of seconds > 0"),
+    (["start", "--data-uri", "incoming/c/v1/", "--nodes", "0"], "'0' is not a whole number >= 1"),
+    (["status", "--price", "trn1.2xlarge"], "INSTANCE_TYPE=USD_PER_HOUR"),
+    (["statsu"], "invalid choice: 'statsu'"),
+    ([], "the following arguments are required: command"),
+])
+def test_usage_errors_exit_2_before_any_credential_lookup(no_credentials, capsys, args, message):
+    assert cli.main([*BASE, *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "credentials" not in err
+
+
+def test_version_and_step_names_complete(capsys):
+    from pipeline_steps import __version__
+
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"trainium-runs {__version__} (trainium-embeddings)"
+
+
+def _complete(tmp_path, module: str, line: str) -> set[str]:
+    """What the shell's completion hook gets for `line` (argcomplete's protocol, file output)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "completions"
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "_ARGCOMPLETE": "1", "_ARGCOMPLETE_IFS": "\n", "COMP_LINE": line,
+           "COMP_POINT": str(len(line)), "_ARGCOMPLETE_STDOUT_FILENAME": str(out),
+           "PYTHONPATH": str(repo) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    subprocess.run([sys.executable, "-m", module], env=env, check=True, capture_output=True, timeout=60)
+    return {word.strip() for word in out.read_text().split("\n") if word.strip()}
+
+
+def test_shell_completion_of_commands_and_steps(tmp_path):
+    assert {"start", "status", "runs", "logs", "stop", "buckets"} <= _complete(tmp_path, "pipeline_ops",
+                                                                             "trainium-runs ")
+    assert _complete(tmp_path, "pipeline_ops", "trainium-runs logs run-1 tr") == {"train"}
+    assert _complete(tmp_path, "pipeline_steps", "pipeline-steps va") == {"validate"}
+
+
+def _train_job(world, capsys) -> tuple[str, str]:
+    status = run_json(capsys, "status", "run-ok")
+    train_id = next(j["job_id"] for j in status["jobs"] if j["step"] == "Train")
+    return train_id, world.batch.describe_jobs(jobs=[train_id])["jobs"][0]["container"]["logStreamName"]
+
+
+def _put(stream: str, *messages: str) -> None:
+    logs = boto3.client("logs", region_name=REGION)
+    for create in (lambda: logs.create_log_group(logGroupName="/aws/batch/job"),
+                   lambda: logs.create_log_stream(logGroupName="/aws/batch/job", logStreamName=stream)):
+        try:
+            create()
+        except logs.exceptions.ResourceAlreadyExistsException:
+            pass
+    logs.put_log_events(logGroupName="/aws/batch/job", logStreamName=stream,
+                        logEvents=[{"timestamp": int(time.time() * 1000), "message": m} for m in messages])
+
+
+def test_logs_node_reads_that_nodes_stream(world, capsys, monkeypatch):
+    """A multi-node job's node N logs to the stream of its child job <id>#N (Batch MNP); moto runs
+    Train single-node, so the parent record gets the node properties Batch reports for 3 nodes."""
+    train_id, _ = _train_job(world, capsys)
+    _put("train/default/node-2", "rank 16 ready")
+    real = cli._describe_jobs
+
+    def describe(ctx, job_ids):
+        out = real(ctx, [j for j in job_ids if "#" not in j])
+        for job_id in job_ids:
+            if job_id == train_id:
+                out[job_id] = {**out[job_id], "nodeProperties": {"numNodes": 3, "mainNode": 0}}
+            elif job_id.startswith(train_id + "#"):
+                node = job_id.rsplit("#", 1)[1]
+                out[job_id] = {"jobId": job_id, "status": "SUCCEEDED",
+                               "container": {"logStreamName": f"train/default/node-{node}"}}
+        return out
+
+    monkeypatch.setattr(cli, "_describe_jobs", describe)
+    out = run_json(capsys, "logs", "run-ok", "train", "--node", "2")
+    assert out["job_id"] == f"{train_id}#2" and [e["message"] for e in out["events"]] == ["rank 16 ready"]
+    assert cli.main([*BASE, "logs", "run-ok", "train", "--node", "3"]) == 2
+    assert "has nodes 0..2" in capsys.readouterr().err
+
+
+def test_logs_node_of_a_single_node_job_is_a_usage_error(world, capsys):
+    assert cli.main([*BASE, "logs", "run-ok", "prepare", "--node", "1"]) == 2
+    assert "single-node job; drop --node" in capsys.readouterr().err
+
+
+def test_logs_follow_prints_new_lines_until_the_job_ends(world, capsys, monkeypatch):
+    train_id, stream = _train_job(world, capsys)
+    _put(stream, "before follow")
+    statuses = iter(["RUNNING", "RUNNING", "SUCCEEDED"])  # as DescribeJobs reports it on each poll
+    real = cli._describe_jobs
+    monkeypatch.setattr(cli, "_describe_jobs", lambda ctx, ids: {
+        k: ({**v, "status": next(statuses, "SUCCEEDED")} if k == train_id else v) for k, v in real(ctx, ids).items()})
+    arrivals = iter([["step 20 loss 0.40"], ["step 30 loss 0.35", "done"]])  # written while we wait
+
+    def wait(_seconds):
+        messages = next(arrivals, [])
+        if messages:
+            _put(stream, *messages)
+
+    monkeypatch.setattr(cli, "follow", functools.partial(cli.follow, sleep=wait))
+    capsys.readouterr()
+    assert cli.main([*BASE, "logs", "run-ok", "train", "--follow", "--interval", "0.01"]) == 0
+    out = capsys.readouterr().out
+    lines = [ln.split("  ", 1)[1] for ln in out.splitlines() if "  " in ln and ln[:4].isdigit()]
+    assert lines[-4:] == ["before follow", "step 20 loss 0.40", "step 30 loss 0.35", "done"]
+    assert f"job {train_id} ended: SUCCEEDED" in out

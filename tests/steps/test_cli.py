@@ -48,3 +48,21 @@ def test_recording_is_off_without_the_variable(tmp_path: Path, monkeypatch: pyte
     monkeypatch.chdir(tmp_path)
     record_exit_code(ExitCode.RETRYABLE)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_version_and_no_step_is_a_usage_error(capsys) -> None:
+    from pipeline_steps import __version__
+
+    assert main(["--version"]) == ExitCode.OK
+    assert capsys.readouterr().out.strip() == f"pipeline-steps {__version__} (trainium-embeddings)"
+    assert main([]) == ExitCode.USAGE
+    assert "steps:" in capsys.readouterr().err
+
+
+def test_a_steps_usage_error_exits_2_and_is_recorded_for_the_launcher(tmp_path: Path, monkeypatch) -> None:
+    exit_file = tmp_path / "exit-code"
+    monkeypatch.setenv(EXIT_CODE_FILE_ENV, str(exit_file))
+    with pytest.raises(SystemExit) as exc:
+        main(["validate", "--no-such-flag"])
+    assert exc.value.code == ExitCode.USAGE
+    assert exit_file.read_text().strip() == str(int(ExitCode.USAGE))

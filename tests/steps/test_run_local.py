@@ -50,3 +50,21 @@ def test_run_local_chains_every_step_and_reports(tmp_path: Path, backend: str, m
     children = client.search_runs([e.experiment_id for e in client.search_experiments()],
                                   filter_string=f"tags.mlflow.parentRunId = '{report['mlflow']['run_id']}'")
     assert {"prepare", "train", "validate"} <= {r.info.run_name for r in children}
+
+
+@pytest.mark.parametrize(("preset", "backend"), [("tiny", "cpu"), ("small", "xla")])
+def test_run_local_refuses_a_run_dir_of_another_preset_or_backend(tmp_path: Path, preset: str, backend: str) -> None:
+    """A second demo with another preset or backend in the same dir stops before any step, with a
+    fix-it message, instead of train finding the other preset's checkpoint or skipping XLA training."""
+    (tmp_path / "run-local.json").write_text('{"preset": "small", "backend": "cpu"}')
+    result = run_cli("run-local", "--run-dir", tmp_path, "--preset", preset, "--backend", backend, timeout=120)
+    assert result.returncode == 78, result.stderr[-2000:]
+    assert "holds a run of preset 'small' on backend 'cpu'" in result.stderr
+    assert f"runs/demo-{preset}-{backend}" in result.stderr
+    assert not (tmp_path / "prepared").exists() and not (tmp_path / "report.json").exists()
+
+
+def test_run_local_recognises_a_run_made_before_the_identity_file(tmp_path: Path) -> None:
+    (tmp_path / "report.json").write_text('{"preset": "small", "backend": "cpu", "steps": []}')
+    result = run_cli("run-local", "--run-dir", tmp_path, "--preset", "tiny", timeout=120)
+    assert result.returncode == 78 and "preset 'small'" in result.stderr

@@ -96,3 +96,63 @@ def test_mlflow_not_installed_warns_and_returns(tmp_path, monkeypatch, caplog):
                                       ({}, True)])
 def test_only_rank_zero_of_the_main_node_logs(env, logs):
     assert tracking.is_logging_process(env) is logs
+
+
+def test_a_failed_step_leaves_a_failed_child_run_with_its_error(tmp_path, monkeypatch):
+    from pipeline_steps.__main__ import main
+    from pipeline_steps.errors import ExitCode
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    run_dir = tmp_path / "catalog-v9"
+    run_dir.mkdir()  # a run whose prepare never ran: validate has nothing to read
+    assert main(["validate", "--run-dir", str(run_dir), "--backend", "cpu"]) == ExitCode.BAD_INPUT
+    _, runs = _runs(run_dir)
+    failed = [r for r in runs if r.info.run_name == "validate"]
+    assert len(failed) == 1 and failed[0].info.status == "FAILED"
+    assert failed[0].data.params["exit_code"] == str(int(ExitCode.BAD_INPUT))
+    assert failed[0].data.tags["error"].startswith("BadInputError: ") and "prepare" in failed[0].data.tags["error"]
+    parent = next(r for r in runs if r.info.run_name == "catalog-v9")
+    assert failed[0].data.tags["mlflow.parentRunId"] == parent.info.run_id
+
+
+def test_no_failed_run_without_a_run_dir_or_for_run_local(tmp_path, monkeypatch):
+    from pipeline_steps.__main__ import main
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    assert main(["validate", "--run-dir", str(tmp_path / "missing"), "--backend", "cpu"]) != 0
+    assert not (tmp_path / "missing").exists()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "run-local.json").write_text('{"preset": "small", "backend": "cpu"}')
+    assert main(["run-local", "--run-dir", str(other), "--preset", "tiny"]) == 78
+    assert not (other / "mlruns").exists()
+
+
+def test_mlflow_ui_serves_a_run_dirs_store(tmp_path, monkeypatch):
+    """`mlflow ui --backend-store-uri DIR/mlruns` works from the dev install: the full `mlflow`
+    package (the server) is there, and its API lists the step runs (Flask test client, no port)."""
+    import os
+    import subprocess
+
+    server = pytest.importorskip("mlflow.server")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    run_dir = tmp_path / "catalog-v1"
+    run_dir.mkdir()
+    tracking.log_step("prepare", run_dir, metrics={"pairs.good": 90})
+    store = (run_dir / "mlruns").resolve().as_uri()
+    script = (
+        "import json, mlflow.server as s\n"
+        "c = s.app.test_client()\n"
+        "assert c.get('/health').status_code == 200\n"
+        "exps = c.post('/api/2.0/mlflow/experiments/search', json={'max_results': 10}).get_json()['experiments']\n"
+        "ids = [e['experiment_id'] for e in exps]\n"
+        "runs = c.post('/api/2.0/mlflow/runs/search', json={'experiment_ids': ids}).get_json()['runs']\n"
+        "print(json.dumps(sorted(r['info']['run_name'] for r in runs)))\n")
+    # what `mlflow ui --backend-store-uri` hands its server processes
+    env = {**os.environ, "MLFLOW_ALLOW_FILE_STORE": "true", server.BACKEND_STORE_URI_ENV_VAR: store,
+           server.ARTIFACT_ROOT_ENV_VAR: store}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == ["catalog-v1", "prepare"]
+    cli = subprocess.run([sys.executable, "-m", "mlflow", "ui", "--help"], capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0 and "--backend-store-uri" in cli.stdout
