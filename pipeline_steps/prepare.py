@@ -43,7 +43,7 @@ from .config import DataConfig, get_preset, to_dict
 from .errors import BadConfigError, BadInputError, StepError
 from . import tracking
 from .fileio import atomic_write_bytes, atomic_write_json, sha256_file
-from .pretrained import stage as stage_pretrained
+from .pretrained import previous_staged, stage as stage_pretrained
 
 log = logging.getLogger("pipeline_steps.prepare")
 
@@ -312,14 +312,15 @@ def tokenizer_and_schema(init_from: Path | None, cfg: DataConfig, products: Sequ
     """(tokenizer, its exact JSON bytes, schema, origin): reused unchanged from --init-from, taken from
     the --pretrained encoder, else learned from the catalog and the training queries (holdout queries
     stay unseen)."""
-    staged = stage_pretrained(pretrained, out, cfg.max_length) if out is not None else None
+    staged = stage_pretrained(pretrained, out, cfg.max_length, init_from) if out is not None else None
     if staged is not None:
         return (*staged[:2], D.Schema.fit(products, (p.label for p in pairs)), staged[2])
     if init_from is not None:
         tokenizer_bytes, schema, origin = load_previous(init_from)
         tokenizer = D.Tokenizer.from_str(tokenizer_bytes.decode("utf-8"))
         log.info("reusing tokenizer and schema from %s", origin)
-        if tokenizer.get_vocab_size() > cfg.vocab_size:
+        # A model that started from BERT embeds BERT's vocabulary, not the preset's (train checks it).
+        if tokenizer.get_vocab_size() > cfg.vocab_size and previous_staged(init_from) is None:
             raise BadConfigError(f"the reused tokenizer has {tokenizer.get_vocab_size()} tokens but this preset "
                                  f"embeds only {cfg.vocab_size}; use the previous run's --preset")
         return tokenizer, tokenizer_bytes, schema, origin

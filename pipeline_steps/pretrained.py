@@ -181,15 +181,41 @@ def check(directory: Path, *, max_length: int | None = None, tokenizer_vocab: in
 
 # ----------------------------------------------------------------------------- prepare
 
-def stage(directory: Path | None, prepared: Path, max_length: int):
+def _copy_staged(source: Path, target: Path) -> None:
+    for name in (CONFIG, WEIGHTS):
+        with atomic_path(target / name) as tmp:
+            shutil.copyfile(source / name, tmp)
+
+
+def previous_staged(init_from: Path | None) -> Path | None:
+    """The staged BERT of the run an --init-from source belongs to (a run dir, its checkpoints/ dir,
+    or RUN_DIR/checkpoints/step-N.pt), if that run started from one."""
+    if init_from is None:
+        return None
+    source = Path(init_from).resolve()
+    for run_dir in (source, source.parent, source.parent.parent):
+        found = staged_dir(run_dir / "prepared")
+        if found is not None:
+            return found
+    return None
+
+
+def stage(directory: Path | None, prepared: Path, max_length: int, init_from: Path | None = None):
     """prepare's hook: with `directory`, check it, copy its config + weights to PREPARED/pretrained/
-    and return (tokenizer, tokenizer.json bytes, origin); without, remove a copy left by an earlier
-    prepare of this run dir (so train does not start from it) and return None."""
+    and return (tokenizer, tokenizer.json bytes, origin). Without, return None after making
+    PREPARED/pretrained/ what train needs: a copy of the --init-from run's (a model that started
+    from BERT keeps BERT's encoder shape in incremental runs), else nothing (a copy left by an
+    earlier prepare of this run dir is removed, so train does not start from it)."""
     from tokenizers import Tokenizer
 
     target = Path(prepared) / STAGED
     if directory is None:
-        if target.exists():
+        previous = previous_staged(init_from)
+        if previous is not None and previous.resolve() != target.resolve():
+            _copy_staged(previous, target)
+            log.info("the --init-from run started from a pretrained BERT: its encoder shape carried over from %s",
+                     previous)
+        elif previous is None and target.exists():
             log.info("removing %s left by an earlier prepare --pretrained", target)
             shutil.rmtree(target)
         return None
@@ -200,9 +226,7 @@ def stage(directory: Path | None, prepared: Path, max_length: int):
     except Exception as exc:  # tokenizers raises a bare Exception for a malformed file
         raise BadConfigError(f"{directory / TOKENIZER} is not a tokenizers tokenizer.json: {exc}") from None
     check(directory, max_length=max_length, tokenizer_vocab=tokenizer.get_vocab_size() if tokenizer else None)
-    for name in (CONFIG, WEIGHTS):
-        with atomic_path(target / name) as tmp:
-            shutil.copyfile(directory / name, tmp)
+    _copy_staged(directory, target)
     log.info("starting from the pretrained encoder in %s (tokenizer kept, weights copied to %s)", directory, target)
     return tokenizer, tokenizer_bytes, f"pretrained:{directory.resolve()}"
 

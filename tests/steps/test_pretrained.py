@@ -112,3 +112,17 @@ def test_weights_that_contradict_config_json_are_refused_naming_the_field(tmp_pa
         pretrained.check(bert)
     message = str(err.value)
     assert "intermediate_size" in message and "encoder.layer.2." in message
+
+
+def test_incremental_training_of_a_model_that_started_from_bert(pretrained_run: Path, tmp_path: Path) -> None:
+    """The next run (--init-from the previous run, as the pipeline does) keeps BERT's encoder shape."""
+    result = run_cli("train", "--run-dir", pretrained_run, "--preset", "tiny", "--backend", "cpu", "--max-steps", 2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    next_run = tmp_path / "next"
+    result = run_cli("prepare", "--run-dir", next_run, "--demo", "--preset", "tiny", "--init-from", pretrained_run)
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_cli("train", "--run-dir", next_run, "--preset", "tiny", "--backend", "cpu", "--max-steps", 1,
+                     "--init-from", pretrained_run)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "incremental training: weights from" in result.stderr
+    assert checkpoint.load(checkpoint.latest(next_run))["config"]["model"]["norm_position"] == "post"
