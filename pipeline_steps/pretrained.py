@@ -146,19 +146,28 @@ def weight_shapes(weights: Path) -> dict[str, tuple[int, ...]]:
 
 def weight_problems(config: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> list[str]:
     """Tensors missing from model.safetensors or shaped differently from what config.json says."""
-    problems = []
+    problems, missing_layers = [], set()
     expected = expected_shapes(config)
     for name, (shape, fields) in expected.items():
         if name not in shapes:
-            problems.append(f"{WEIGHTS} has no {name} ({fields} {list(shape)} per {CONFIG})")
+            layer = name.split(".")[2] if name.startswith("encoder.layer.") else None
+            if layer is not None and not any(n.startswith(f"encoder.layer.{layer}.") for n in shapes):
+                missing_layers.add(int(layer))  # a whole layer: one line, not sixteen
+            else:
+                problems.append(f"{WEIGHTS} has no {name} ({fields} {list(shape)} per {CONFIG})")
         elif shapes[name] != shape:
             problems.append(f"{name} is {list(shapes[name])} in {WEIGHTS} but {CONFIG} implies {list(shape)} "
                             f"({fields})")
+    if missing_layers:
+        problems.append(f"{WEIGHTS} has no encoder.layer tensors for layer(s) {sorted(missing_layers)} but "
+                        f"{CONFIG} says num_hidden_layers {config['num_hidden_layers']}")
     extra_layers = {n.split(".")[2] for n in shapes if n.startswith("encoder.layer.") and n not in expected}
     if extra_layers:
         problems.append(f"{WEIGHTS} has {len(extra_layers)} layer(s) beyond {CONFIG}'s num_hidden_layers "
                         f"{config['num_hidden_layers']}")
-    return problems[:8]
+    if len(problems) > 8:
+        problems = problems[:8] + [f"and {len(problems) - 8} more"]
+    return problems
 
 
 def check(directory: Path, *, max_length: int | None = None, tokenizer_vocab: int | None = None,
