@@ -27,6 +27,7 @@ STEPS: dict[str, tuple[str, str]] = {
     "train": ("pipeline_steps.train", "DDP / XLA training with resumable, portable checkpoints"),
     "validate": ("pipeline_steps.validate", "holdout metrics, BM25 baseline and the quality gate"),
     "embed": ("pipeline_steps.embed", "sharded batch inference of the catalog to Parquet"),
+    "export": ("pipeline_steps.export", "the towers as sentence-transformers folders for serving"),
     "run-local": ("pipeline_steps.run_local", "the whole chain on this machine (demo data by default)"),
     "bench": ("pipeline_steps.bench", "throughput ratios against a peer and this machine's ceiling"),
 }

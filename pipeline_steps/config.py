@@ -38,6 +38,12 @@ class ModelConfig:
     """Vocabulary size of each explicit categorical feature (index 0 = unknown)."""
     num_classes: int = 0
     """Classes of the optional auxiliary head (query -> product category); 0 disables it."""
+    norm_position: str = "pre"
+    """Where each encoder block's LayerNorms sit: "pre" (before attention/FFN, plus a final
+    LayerNorm; trains stably from scratch) or "post" (after each residual add, as in BERT; set
+    when the encoder starts from a pretrained BERT checkpoint, see pipeline_steps/pretrained.py)."""
+    layer_norm_eps: float = 1e-5
+    """LayerNorm epsilon; a pretrained encoder keeps its own (BERT: 1e-12)."""
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
@@ -51,6 +57,10 @@ class ModelConfig:
                 raise BadConfigError(f"model.{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.dropout < 1.0:
             raise BadConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if self.norm_position not in ("pre", "post"):
+            raise BadConfigError(f"model.norm_position must be 'pre' or 'post', got {self.norm_position!r}")
+        if not 0.0 < self.layer_norm_eps < 1.0:
+            raise BadConfigError(f"model.layer_norm_eps must be in (0, 1), got {self.layer_norm_eps}")
         object.__setattr__(self, "categorical_cardinalities", tuple(self.categorical_cardinalities))
 
 

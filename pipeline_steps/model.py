@@ -2,7 +2,8 @@
 
 Architecture (one set of weights serves both towers, as in M5's text encoder + MLP):
 
-    ids, mask --> TextEncoder (BERT-style, pre-LN) --> mean pool over the mask --> pooled [B, H]
+    ids, mask --> TextEncoder (BERT-style, pre-LN; post-LN when started from a pretrained BERT)
+              --> mean pool over the mask --> pooled [B, H]
     query tower:   pooled --> MLP --> L2-normalise --> query embedding   [B, E]
     product tower: [pooled | numeric | categorical embeddings] --> MLP --> L2-normalise --> [B, E]
     optional aux head: query embedding --> Linear --> class logits [B, num_classes]
@@ -31,7 +32,6 @@ from .errors import BadConfigError
 INIT_STD = 0.02
 """BERT's initializer range (normal with std 0.02 for every Linear and Embedding)."""
 
-LAYER_NORM_EPS = 1e-5
 LOSS_EPS = 1e-6
 """Floor of a weighted mean's denominator: an all-padding batch gives 0, not 0/0 = NaN."""
 
@@ -78,14 +78,17 @@ class SelfAttention(nn.Module):
 
 
 class EncoderBlock(nn.Module):
-    """Pre-LN transformer block. Pre-LN (vs BERT's post-LN) trains stably without a long warmup
-    and keeps activations well scaled in bf16; the encoder adds a final LayerNorm to match."""
+    """Transformer block, pre-LN by default. Pre-LN (vs BERT's post-LN) trains stably without a
+    long warmup and keeps activations well scaled in bf16; the encoder adds a final LayerNorm to
+    match. Post-LN (`cfg.norm_position == "post"`, BERT's layout: LayerNorm after each residual
+    add) is what a pretrained BERT's weights expect."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.attn_norm = nn.LayerNorm(cfg.hidden_size, eps=LAYER_NORM_EPS)
+        self.post_norm = cfg.norm_position == "post"
+        self.attn_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.attn = SelfAttention(cfg)
-        self.ffn_norm = nn.LayerNorm(cfg.hidden_size, eps=LAYER_NORM_EPS)
+        self.ffn_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.ffn = nn.Sequential(
             nn.Linear(cfg.hidden_size, cfg.intermediate_size),
             nn.GELU(),
@@ -94,13 +97,18 @@ class EncoderBlock(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, key_bias: torch.Tensor) -> torch.Tensor:
+        # A config-static branch: one graph per model, never a value-dependent one.
+        if self.post_norm:
+            x = self.attn_norm(x + self.dropout(self.attn(x, key_bias)))
+            return self.ffn_norm(x + self.dropout(self.ffn(x)))
         x = x + self.dropout(self.attn(self.attn_norm(x), key_bias))
         return x + self.dropout(self.ffn(self.ffn_norm(x)))
 
 
 class TextEncoder(nn.Module):
     """Token + learned position embeddings (no segment embeddings: one text per input),
-    LayerNorm, dropout, `num_layers` pre-LN blocks, final LayerNorm, mean pooling over the mask."""
+    LayerNorm, dropout, `num_layers` blocks, final LayerNorm (pre-LN only: a post-LN block already
+    ends with one), mean pooling over the mask."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -108,13 +116,23 @@ class TextEncoder(nn.Module):
         # Token 0 is [PAD]; padding_idx keeps its row at zero and out of the gradient.
         self.token = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=0)
         self.position = nn.Embedding(cfg.max_positions, cfg.hidden_size)
-        self.embed_norm = nn.LayerNorm(cfg.hidden_size, eps=LAYER_NORM_EPS)
+        self.embed_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.dropout = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(EncoderBlock(cfg) for _ in range(cfg.num_layers))
-        self.final_norm = nn.LayerNorm(cfg.hidden_size, eps=LAYER_NORM_EPS)
+        # Identity for post-LN: an unused LayerNorm would be a parameter without gradient (DDP error).
+        self.final_norm = (nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+                           if cfg.norm_position == "pre" else nn.Identity())
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """ids int [B, L], mask int/bool [B, L] (nonzero = real token) -> pooled [B, H] (model dtype)."""
+        x, keep = self.token_states(ids, mask)
+        # Mean over real tokens only, so trailing padding never changes a text's embedding.
+        weights = keep.to(x.dtype).unsqueeze(-1)
+        return (x * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)
+
+    def token_states(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token output states [B, L', H] and the real-token mask bool [B, L'] (L' <= L: eager
+        inference drops trailing all-padding columns). States at padding positions are meaningless."""
         length = ids.shape[1]
         # A shape check, not a value check: static under XLA.
         if length > self.max_positions:
@@ -134,10 +152,7 @@ class TextEncoder(nn.Module):
         key_bias = key_bias.masked_fill(~keep, _large_negative(x.dtype))[:, None, None, :]
         for block in self.blocks:
             x = block(x, key_bias)
-        x = self.final_norm(x)
-        # Mean over real tokens only, so trailing padding never changes a text's embedding.
-        weights = keep.to(x.dtype).unsqueeze(-1)
-        return (x * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)
+        return self.final_norm(x), keep
 
 
 def _trim_trailing_padding(ids: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

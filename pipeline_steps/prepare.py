@@ -43,6 +43,7 @@ from .config import DataConfig, get_preset, to_dict
 from .errors import BadConfigError, BadInputError, StepError
 from . import tracking
 from .fileio import atomic_write_bytes, atomic_write_json, sha256_file
+from .pretrained import previous_staged, stage as stage_pretrained
 
 log = logging.getLogger("pipeline_steps.prepare")
 
@@ -274,11 +275,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--preset", default="tiny", help="sets buckets, query length, vocabulary size, demo size")
     parser.add_argument("--init-from", type=Path,
                         help="previous run dir or checkpoint .pt: reuse its tokenizer + schema")
+    parser.add_argument("--pretrained", type=Path,
+                        help="Hugging Face BERT dir (config.json, model.safetensors, tokenizer.json): keep its "
+                             "tokenizer; train starts the encoder from its weights")
     parser.add_argument("--max-bad-fraction", type=float, help="override the preset's quarantine threshold")
     parser.add_argument("--seed", type=int, default=0, help="holdout split (and demo data) seed")
     args = parser.parse_args(argv)
     if (args.products is None) != (args.pairs is None):
         parser.error("--products and --pairs go together (and not with --data/--demo)")
+    if args.init_from is not None and args.pretrained is not None:
+        parser.error("--init-from continues a trained model (its tokenizer and weights); --pretrained starts "
+                     "from a Hugging Face encoder: pass one of them")
     return args
 
 
@@ -300,14 +307,20 @@ def validate_inputs(product_files: Sequence[Path], pair_files: Sequence[Path], c
 
 
 def tokenizer_and_schema(init_from: Path | None, cfg: DataConfig, products: Sequence[D.ProductRecord],
-                         pairs: Sequence[D.PairRecord], is_holdout: np.ndarray):
-    """(tokenizer, its exact JSON bytes, schema, origin): reused unchanged from --init-from, else learned
-    from the catalog and the training queries (holdout queries stay unseen)."""
+                         pairs: Sequence[D.PairRecord], is_holdout: np.ndarray, pretrained: Path | None = None,
+                         out: Path | None = None):
+    """(tokenizer, its exact JSON bytes, schema, origin): reused unchanged from --init-from, taken from
+    the --pretrained encoder, else learned from the catalog and the training queries (holdout queries
+    stay unseen)."""
+    staged = stage_pretrained(pretrained, out, cfg.max_length, init_from) if out is not None else None
+    if staged is not None:
+        return (*staged[:2], D.Schema.fit(products, (p.label for p in pairs)), staged[2])
     if init_from is not None:
         tokenizer_bytes, schema, origin = load_previous(init_from)
         tokenizer = D.Tokenizer.from_str(tokenizer_bytes.decode("utf-8"))
         log.info("reusing tokenizer and schema from %s", origin)
-        if tokenizer.get_vocab_size() > cfg.vocab_size:
+        # A model that started from BERT embeds BERT's vocabulary, not the preset's (train checks it).
+        if tokenizer.get_vocab_size() > cfg.vocab_size and previous_staged(init_from) is None:
             raise BadConfigError(f"the reused tokenizer has {tokenizer.get_vocab_size()} tokens but this preset "
                                  f"embeds only {cfg.vocab_size}; use the previous run's --preset")
         return tokenizer, tokenizer_bytes, schema, origin
@@ -371,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         if is_holdout.all():
             raise BadInputError("every query fell into the holdout; provide more distinct queries")
         tokenizer, tokenizer_bytes, schema, origin = tokenizer_and_schema(
-            args.init_from, cfg, product_records, pair_records, is_holdout)
+            args.init_from, cfg, product_records, pair_records, is_holdout, args.pretrained, out)
         products = build_products(product_records, tokenizer, schema, cfg)
         product_row = {pid: i for i, pid in enumerate(products.ids)}
         train, holdout = (build_pairs([p for p, h in zip(pair_records, is_holdout) if h == side], tokenizer, schema,

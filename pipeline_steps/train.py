@@ -32,7 +32,7 @@ from typing import Any, Iterator
 
 import torch
 
-from . import checkpoint, data as data_lib, distributed as dist_lib, tracking
+from . import checkpoint, data as data_lib, distributed as dist_lib, pretrained, tracking
 from .config import DataConfig, ModelConfig, TrainConfig, from_dict, get_preset, to_dict
 from .errors import BadConfigError, NonFiniteLossError
 from .fileio import append_jsonl, atomic_write_json, sha256_file
@@ -77,14 +77,15 @@ def resolve_train_config(args: argparse.Namespace) -> TrainConfig:
 def model_config_for(preset: str, prepared: data_lib.PreparedData) -> ModelConfig:
     """The preset's shape, completed with what the prepared data decides (vocab, features, classes)."""
     tokenizer = data_lib.load_tokenizer(prepared.tokenizer_path)
-    return dataclasses.replace(
+    # A run prepared with --pretrained takes the encoder's shape from that BERT.
+    return pretrained.encoder_config(prepared.tokenizer_path.parent, dataclasses.replace(
         get_preset(preset).model,
         vocab_size=tokenizer.get_vocab_size(),
         max_positions=prepared.data_cfg.max_length,
         num_numeric=len(prepared.schema.numeric_names),
         categorical_cardinalities=prepared.schema.cardinalities,
         num_classes=len(prepared.schema.class_names),
-    )
+    ))
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -176,6 +177,8 @@ class Trainer:
             self._restore(model, resume)
         elif init_from is not None:
             self._init_weights_from(model, init_from)
+        else:
+            pretrained.init_encoder(self.prepared.tokenizer_path.parent, model.encoder)  # no-op without one
         self.model = dist_lib.prepare_model(world, model, bf16=cfg.bf16)
         self.optimizer = build_optimizer(self.model, cfg, world)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(

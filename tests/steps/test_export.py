@@ -1,0 +1,108 @@
+"""`export`: the towers as sentence-transformers folders that reproduce the project's embeddings."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline_steps import checkpoint, data as data_lib, embed
+from pipeline_steps.config import ModelConfig, from_dict, to_dict
+from pipeline_steps.model import EmbeddingModel
+from tests.steps.conftest import run_cli
+from tests.steps.fixtures_trained import tiny_trained, trained_run  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+QUERIES = ["leather hiking boots", "cheap red cotton t-shirt for kids", "usb",
+           # Longer than the tiny preset's 16 query tokens: must be truncated exactly like prepare.
+           "premium waterproof breathable lightweight trail running shoes with extra cushioning for long races"]
+
+
+def _sentence_transformer(folder: Path):
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(folder), device="cpu", local_files_only=True)
+
+
+def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+def _project_queries(ckpt: Path, texts: list[str]) -> np.ndarray:
+    inference = embed.load_for_inference(ckpt, "cpu")
+    state = inference.state
+    tokenizer = data_lib.Tokenizer.from_str(state["tokenizer"]["json"])
+    length = state["config"]["data"]["query_length"]
+    ids, lengths = data_lib.encode_texts(tokenizer, texts, length)
+    return embed.embed_queries(inference, ids, lengths, batch_size=4, query_length=length)[0]
+
+
+def _project_products(ckpt: Path, texts: list[str]) -> np.ndarray:
+    inference = embed.load_for_inference(ckpt, "cpu")
+    state = inference.state
+    tokenizer = data_lib.Tokenizer.from_str(state["tokenizer"]["json"])
+    buckets = state["config"]["data"]["length_buckets"]
+    ids, lengths = data_lib.encode_texts(tokenizer, texts, max(buckets))
+    products = SimpleNamespace(token_ids=ids, lengths=lengths, numeric=np.zeros((len(texts), 0), np.float32),
+                               categorical=np.zeros((len(texts), 0), np.int64))
+    return embed.embed_products(inference, products, np.arange(len(texts)), batch_size=4, buckets=buckets)
+
+
+def test_trained_query_tower_loads_in_sentence_transformers_with_the_projects_embeddings(
+        trained_run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "export"
+    result = run_cli("export", "--checkpoint", trained_run, "--out", out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((out / "export.json").read_text())
+    # The demo catalog has numeric and categorical features: only the query tower is text-only.
+    assert list(report["towers"]) == ["query"] and not (out / "product").exists()
+    exported = _sentence_transformer(out / "query").encode(QUERIES, convert_to_numpy=True)
+    expected = _project_queries(checkpoint.resolve(trained_run), QUERIES)
+    assert exported.shape == expected.shape
+    assert _cosines(exported, expected).min() > 1 - 1e-4
+
+
+@pytest.mark.parametrize("norm_position", ["pre", "post"])
+def test_both_towers_of_a_featureless_model_match_in_sentence_transformers(
+        trained_run: Path, tmp_path: Path, norm_position: str) -> None:
+    """A catalog without explicit features: the product tower is text-only and exported too. "post"
+    is the layout of an encoder started from BERT (exported as a transformers BertModel)."""
+    state = checkpoint.load(checkpoint.resolve(trained_run))
+    cfg = dataclasses.replace(from_dict(ModelConfig, dict(state["config"]["model"])), num_numeric=0,
+                              categorical_cardinalities=(), num_classes=0, norm_position=norm_position,
+                              layer_norm_eps=1e-12 if norm_position == "post" else 1e-5)
+    torch.manual_seed(1)
+    model = EmbeddingModel(cfg)
+    with torch.no_grad():
+        for param in model.parameters():  # LayerNorm gains/biases too: every exported tensor matters
+            param.add_(torch.randn_like(param) * 0.2)
+    run_dir = tmp_path / "featureless"
+    state = {**state, "model": model.state_dict(), "config": {**state["config"], "model": to_dict(cfg)}}
+    ckpt = checkpoint.save(run_dir, state, keep=2)
+    out = tmp_path / "export"
+    result = run_cli("export", "--checkpoint", ckpt, "--out", out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((out / "export.json").read_text())
+    assert set(report["towers"]) == {"query", "product"}
+    assert report["encoder"] == ("BertModel" if norm_position == "post" else "RobertaPreLayerNormModel")
+    queries = _sentence_transformer(out / "query").encode(QUERIES, convert_to_numpy=True)
+    assert _cosines(queries, _project_queries(ckpt, QUERIES)).min() > 1 - 1e-4
+    titles = ["Trail running shoe, waterproof", "Cotton t-shirt red kids", QUERIES[-1] * 3]
+    products = _sentence_transformer(out / "product").encode(titles, convert_to_numpy=True)
+    assert _cosines(products, _project_products(ckpt, titles)).min() > 1 - 1e-4
+
+
+def test_export_replaces_an_earlier_export_and_refuses_a_missing_checkpoint(trained_run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "export"
+    (out / "stale").mkdir(parents=True)
+    assert run_cli("export", "--checkpoint", trained_run, "--out", out).returncode == 0
+    assert not (out / "stale").exists() and (out / "query" / "modules.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "run"]  # no staging leftovers
+    result = run_cli("export", "--checkpoint", tmp_path / "nope", "--out", out)
+    assert result.returncode == 65 and "does not exist" in result.stderr
