@@ -19,6 +19,12 @@ Test hooks on the returned `BatchHooks`:
 - `fail_job_definitions`: job definition names whose jobs end FAILED (moto's batch_simple marks all
   jobs SUCCEEDED unless MOTO_SIMPLE_BATCH_FAIL_AFTER is set; we set it per job).
 - `throttle_submits`: the next N SubmitJob calls raise TooManyRequestsException.
+- `run_job`: when set, called as run_job(job, submitted) instead of marking the job done: it runs
+  the job (tests/e2e/local_batch.py), fills its attempts and returns whether it succeeded.
+
+`eventbridge_starts_executions()`: moto's EventBridge delivers to logs, SQS and event buses only;
+this adds Step Functions targets, so a rule whose target is a state machine starts an execution
+with the event as input (what EventBridge does: https://docs.aws.amazon.com/eventbridge/latest/userguide/eb-targets.html).
 Remove this module when moto fills the hooks itself.
 """
 
@@ -28,8 +34,9 @@ import os
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import datetime
 from importlib.metadata import version
-from typing import Iterator
+from typing import Any, Callable, Iterator
 from unittest import mock
 
 import boto3
@@ -54,6 +61,7 @@ class BatchHooks:
     fail_job_definitions: set[str] = field(default_factory=set)
     throttle_submits: int = 0
     throttled: int = 0
+    run_job: Callable[[Any, list[dict]], bool] | None = None
 
 
 def _pascal(name: str) -> str:
@@ -98,6 +106,12 @@ def patched_moto_batch() -> Iterator[BatchHooks]:
     original_finish = BatchSimpleBackend._mark_job_as_finished
 
     def mark_job_as_finished(self, include_start_attempt, job):
+        if hooks.run_job is not None:
+            self.backend._jobs[job.job_id] = job
+            job.job_started_at = datetime.now()
+            job.log_stream_name = job._stream_name
+            job._mark_stopped(success=hooks.run_job(job, hooks.submitted))
+            return
         fail = job.job_definition.name in hooks.fail_job_definitions
         with mock.patch.dict(os.environ, {"MOTO_SIMPLE_BATCH_FAIL_AFTER": "0"} if fail else {}):
             if not fail:
@@ -143,3 +157,39 @@ def patched_moto_batch() -> Iterator[BatchHooks]:
         yield hooks
 
 
+
+
+@contextmanager
+def eventbridge_starts_executions() -> Iterator[list[str]]:
+    """Yields the list of errors met while delivering (S3's EventBridge hook swallows them)."""
+    import json
+    import uuid
+
+    from moto.events.models import Rule
+    from moto.utilities.arns import parse_arn
+
+    errors: list[str] = []
+    original = Rule.send_to_targets
+
+    def send_to_targets(self, original_event, transform_input=True):
+        machines = [t for t in self.targets if parse_arn(t["Arn"]).service == "states"]
+        others = [t for t in self.targets if t not in machines]
+        if others:  # moto's own delivery raises NotImplementedError on a state machine target
+            saved, self.targets = self.targets, others
+            try:
+                original(self, original_event, transform_input)
+            finally:
+                self.targets = saved
+        if not self.event_pattern.matches_event(original_event):
+            return
+        for target in machines:
+            arn = parse_arn(target["Arn"])
+            try:
+                boto3.client("stepfunctions", region_name=arn.region).start_execution(
+                    stateMachineArn=target["Arn"], name=str(uuid.uuid4()),
+                    input=json.dumps(original_event, default=str))
+            except Exception as exc:  # noqa: BLE001  reported to the test, never swallowed
+                errors.append(f"{target['Arn']}: {exc!r}")
+
+    with mock.patch.object(Rule, "send_to_targets", send_to_targets):
+        yield errors
