@@ -26,9 +26,10 @@ What differs from AWS, on purpose and visibly (`LocalSetup.describe()` prints it
   association's auto-import);
 - this machine has no Trainium, EFA or Lustre: `--backend xla` runs as `--backend cpu` (torch-xla's
   CPU client cannot run collectives across processes, pytorch/xla#5005; gloo stands in for the
-  Neuron collectives), sanity's `--fsx-path` (a Lustre mount check) is dropped, NPROC_PER_NODE is
-  overridable (default 1), and neuron_parallel_compile / neuron-ls / fi_info / nccom-test are
-  recording stand-ins (tests/e2e/standin.py);
+  Neuron collectives), sanity's `--fsx-path` and `--instance-type` (Lustre mount, device and EFA
+  count checks) are dropped, NPROC_PER_NODE is overridable (default 1), and
+  neuron_parallel_compile / neuron-ls / fi_info / nccom-test are recording stand-ins
+  (tests/e2e/standin.py);
 - `parameter_defaults` may replace definition defaults (the e2e uses preset=tiny);
 - every AWS API the steps call goes to the moto server (AWS_ENDPOINT_URL).
 """
@@ -55,6 +56,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 ENTRYPOINT = REPO_ROOT / "training_image" / "entrypoint.sh"
 FSX = "/fsx"
 LOOPBACK = "127.0.0.1"
+# Sanity flags whose checks need hardware this machine lacks: a Lustre mount (--fsx-path) and the
+# instance type's Neuron devices and EFA interfaces (--instance-type).
+DROPPED_FLAGS = ("--fsx-path", "--instance-type")
 # Seconds a child node may outlive the main node before it is stopped (Batch ends the job when
 # the main node exits).
 CHILD_GRACE_S = 30.0
@@ -200,7 +204,8 @@ class LocalSetup:
     def describe(self) -> list[str]:
         return [f"/fsx -> {self.fsx_root}", f"AWS APIs -> moto at {self.endpoint_url}",
                 "--backend xla -> --backend cpu (gloo across node processes; torch-xla CPU has no multi-process collectives)",
-                "sanity --fsx-path dropped (no Lustre here)", f"NPROC_PER_NODE={self.nproc_per_node}",
+                "sanity --fsx-path / --instance-type dropped (no Lustre, Neuron devices or EFA here)",
+                f"NPROC_PER_NODE={self.nproc_per_node}",
                 *(f"parameter default {k}={v}" for k, v in self.parameter_defaults.items()),
                 "neuron_parallel_compile, neuron-ls, fi_info, nccom-test: recording stand-ins"]
 
@@ -212,7 +217,7 @@ def local_arguments(args: list[str], fsx_root: Path) -> list[str]:
     while i < len(args):
         arg = args[i]
         nxt = args[i + 1] if i + 1 < len(args) else None
-        if arg == "--fsx-path" and nxt is not None:
+        if arg in DROPPED_FLAGS and nxt is not None:
             i += 2
             continue
         if arg == "--backend" and nxt == "xla":
@@ -360,6 +365,7 @@ class LocalBatch:
                 if fault.ready(self.setup.fsx_root, parameters):
                     _kill_tree(procs[indices.index(fault.node_index)], signal.SIGKILL)
                     faults.remove(fault)
+                    self.faults.remove(fault)  # once: a later job of the same name runs unharmed
             if time.monotonic() > deadline:
                 reason = f"Job attempt duration exceeded the local guard of {self.setup.attempt_timeout_s:g} s"
                 for proc in procs:

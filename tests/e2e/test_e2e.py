@@ -59,7 +59,7 @@ def test_batch_variables_reach_every_node_as_batch_sets_them(first_run):
     embeds = [job for job in first_run.jobs if job.definition == "embed"]
     assert sorted(job.attempts[0].environments[0]["AWS_BATCH_JOB_ARRAY_INDEX"] for job in embeds) == ["0", "1", "2", "3"]
     # Ref::shard_count came from the submit, Ref::preset from the defaults.
-    assert all("--shard-count" in job.attempts[0].argv and "4" in job.attempts[0].argv for job in embeds)
+    assert {job.attempts[0].argv[job.attempts[0].argv.index("--shard-count") + 1] for job in embeds} == {"4"}
 
 
 # ---- a node lost during Train: exit 75, Batch retries, the retry resumes --------------------------
@@ -67,11 +67,10 @@ def test_batch_variables_reach_every_node_as_batch_sets_them(first_run):
 def test_a_node_killed_during_train_is_retried_by_batch(first_run):
     train = next(job for job in first_run.jobs if job.definition == "train")
     first, second = train.attempts
-    assert first.node_exit_codes[1] == 137  # the killed node (SIGKILL)
+    assert first.node_exit_codes[KILLED_NODE] == 137  # the killed node (SIGKILL)
     assert first.exit_code == 75, first.logs[0].read_text()[-3000:]
     assert second.exit_code == 0
     assert [a.environments[0]["AWS_BATCH_JOB_ATTEMPT"] for a in train.attempts] == ["1", "2"]
-    assert KILLED_NODE == 1
 
 
 def test_the_retry_resumes_from_the_checkpoint(first_run):
@@ -80,3 +79,32 @@ def test_the_retry_resumes_from_the_checkpoint(first_run):
     assert "saved checkpoint" in first_log and "step-000000020.pt" in first_log
     assert "resuming from" in second_log and "step-000000020.pt (step 20" in second_log
 
+
+
+# ---- a second upload: incremental from the published model, gated against it, rejected ------------
+
+def test_a_second_upload_trains_incrementally_from_the_published_model(rejected_run):
+    result = rejected_run.result
+    assert "UseCurrentModel" in result.visited and "TrainFromScratch" not in result.visited
+    by_step = {job.definition: job for job in result.jobs}
+    published = f"/fsx/runs/{DATASET}-v1"
+    assert by_step["prepare"].parameters["init_from"] == by_step["train"].parameters["init_from"] == published
+    train_log = by_step["train"].attempts[0].logs[0].read_text().splitlines()
+    (line,) = [line for line in train_log if "incremental training: weights from" in line]
+    assert f"/fsx/runs/{DATASET}-v1/checkpoints/" in line
+
+
+def test_the_worse_model_is_gated_against_the_published_metrics_and_rejected(e2e_world, rejected_run):
+    result = rejected_run.result
+    assert result.status == "SUCCEEDED", e2e_world.format_path(result)  # a rejection is not a failure
+    assert result.visited[-3:] == ["GatePassed", "NotifyGateFailed", "ModelRejected"]
+    assert "Embed" not in result.visited and "Publish" not in result.visited
+    validate = next(job for job in result.jobs if job.definition == "validate")
+    assert validate.parameters["previous_metrics"] == f"/fsx/runs/{DATASET}-v1/validation/metrics.json"
+    gate = e2e_world.read_json("artifacts_bucket", f"runs/{DATASET}-v2/validation/gate.json")
+    assert gate["passed"] is False
+    published = rejected_run.pointer_before["metrics"]
+    assert {k: gate["previous"][k] for k in gate["gated_metrics"]} == {k: published[k] for k in gate["gated_metrics"]}
+    assert any(gate["metrics"][k] < published[k] for k in gate["gated_metrics"])
+    assert e2e_world.read_json("artifacts_bucket", "models/current.json") == rejected_run.pointer_before
+    assert any("quality gate" in n for n in e2e_world.notifications())

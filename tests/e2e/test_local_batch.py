@@ -48,6 +48,6 @@ def test_parameters_replace_placeholders_with_defaults_underneath(specs):
 
 def test_local_arguments_map_fsx_and_the_backend(tmp_path, specs):
     args = local_arguments(["sanity", "--run-dir", "/fsx/runs/r1", "--fsx-path", "/fsx", "--backend", "xla",
-                            "--data", "/fsxdata"], tmp_path)
+                            "--instance-type", "trn1.32xlarge", "--data", "/fsxdata"], tmp_path)
     assert args == ["sanity", "--run-dir", f"{tmp_path}/runs/r1", "--backend", "cpu", "--data", "/fsxdata"]
     assert specs["train"].environment["NEURON_COMPILE_CACHE_URL_BASE"] == f"s3://{BUCKETS['cache_bucket']}/neuron"
