@@ -37,7 +37,7 @@ def first_checkpoint_written(fsx_root: Path, parameters: dict[str, str]) -> bool
 
 @pytest.fixture(scope="session")
 def e2e_stage() -> Stage:
-    return synthesize()
+    return synthesize(PRESET)
 
 
 @pytest.fixture(scope="session")

@@ -26,8 +26,8 @@ What differs from AWS, on purpose and visibly (`LocalSetup.describe()` prints it
   association's auto-import);
 - this machine has no Trainium, EFA or Lustre: `--backend xla` runs as `--backend cpu` (torch-xla's
   CPU client cannot run collectives across processes, pytorch/xla#5005; gloo stands in for the
-  Neuron collectives), sanity's `--fsx-path` and `--instance-type` (Lustre mount, device and EFA
-  count checks) are dropped, NPROC_PER_NODE is overridable (default 1), and
+  Neuron collectives), sanity runs without `--fsx-path`, `--instance-type` and INSTANCE_TYPE (its
+  Lustre mount, device and EFA count checks), NPROC_PER_NODE is overridable (default 1), and
   neuron_parallel_compile / neuron-ls / fi_info / nccom-test are recording stand-ins
   (tests/e2e/standin.py);
 - `parameter_defaults` may replace definition defaults (the e2e uses preset=tiny);
@@ -59,6 +59,7 @@ LOOPBACK = "127.0.0.1"
 # Sanity flags whose checks need hardware this machine lacks: a Lustre mount (--fsx-path) and the
 # instance type's Neuron devices and EFA interfaces (--instance-type).
 DROPPED_FLAGS = ("--fsx-path", "--instance-type")
+INSTANCE_TYPE_ENV = "INSTANCE_TYPE"  # what sanity also reads for the expected counts; unset for it here
 # Seconds a child node may outlive the main node before it is stopped (Batch ends the job when
 # the main node exits).
 CHILD_GRACE_S = 30.0
@@ -204,7 +205,7 @@ class LocalSetup:
     def describe(self) -> list[str]:
         return [f"/fsx -> {self.fsx_root}", f"AWS APIs -> moto at {self.endpoint_url}",
                 "--backend xla -> --backend cpu (gloo across node processes; torch-xla CPU has no multi-process collectives)",
-                "sanity --fsx-path / --instance-type dropped (no Lustre, Neuron devices or EFA here)",
+                "sanity without --fsx-path, --instance-type, INSTANCE_TYPE (no Lustre, Neuron devices or EFA here)",
                 f"NPROC_PER_NODE={self.nproc_per_node}",
                 *(f"parameter default {k}={v}" for k, v in self.parameter_defaults.items()),
                 "neuron_parallel_compile, neuron-ls, fi_info, nccom-test: recording stand-ins"]
@@ -343,6 +344,10 @@ class LocalBatch:
             "AWS_BATCH_JQ_NAME": queue,
             "AWS_BATCH_CE_NAME": self.compute_environment,
         }
+        if spec.command[:1] == ["sanity"]:
+            # sanity checks the host against INSTANCE_TYPE's Neuron devices and EFA interfaces,
+            # which this machine does not have (see DROPPED_FLAGS).
+            env.pop(INSTANCE_TYPE_ENV, None)
         (setup.work_dir / "tmp").mkdir(exist_ok=True)
         if run.array_index is not None:
             env["AWS_BATCH_JOB_ARRAY_INDEX"] = str(run.array_index)

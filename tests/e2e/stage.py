@@ -1,8 +1,8 @@
 """The dev stage as synthesized, with its CloudFormation references resolvable to local stand-ins.
 
 `synthesize()` builds the dev stage the way tests/infra does (tests/infra/infra_synth.py: the stage
-config with the test account, a registry image instead of the image asset) and returns every
-stack's template. `Stage.resolve(stack, token)` turns Ref / Fn::GetAtt / Fn::ImportValue /
+config with the test account, a registry image instead of the image asset; the training preset
+tiny) and returns every stack's template. `Stage.resolve(stack, token)` turns Ref / Fn::GetAtt / Fn::ImportValue /
 Fn::Join / Fn::Sub into plain strings from the values bound with `bind`, following exports across
 stacks as CloudFormation does; a reference nobody bound raises KeyError (never a silent guess).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,10 @@ INFRA_TESTS = Path(__file__).resolve().parents[1] / "infra"
 if str(INFRA_TESTS) not in sys.path:
     sys.path.insert(0, str(INFRA_TESTS))
 
-from infra_synth import build, template_json  # noqa: E402  (after the sys.path entry above)
+import aws_cdk as cdk  # noqa: E402
+from infra_synth import TEST_IMAGE, cdk_json_context, stage_config, template_json  # noqa: E402
+
+from stacks.stages import build_stage  # noqa: E402
 
 STAGE = "dev"
 PSEUDO = {"AWS::Partition": "aws", "AWS::URLSuffix": "amazonaws.com"}
@@ -96,7 +99,14 @@ class Stage:
         return json.loads(self.resolve("pipeline", res["Properties"]["DefinitionString"]))
 
 
-def synthesize() -> Stage:
-    """The dev stage's stacks and templates (one synthesis: ~30 s of CDK work on 2 cores)."""
-    app, stacks = build(STAGE, nag=False)
+def synthesize(preset: str = "tiny") -> Stage:
+    """The dev stage's stacks and templates (one synthesis: ~30 s of CDK work on 2 cores), as
+    tests/infra synthesizes it, with the training preset set to `preset` where the stage config
+    holds one (a stage's TrainingConfig renders it into the Compile and Train commands)."""
+    cfg = stage_config(STAGE)
+    training = getattr(cfg, "training", None)
+    if training is not None and hasattr(training, "preset"):
+        cfg = replace(cfg, training=replace(training, preset=preset))
+    app = cdk.App(context=cdk_json_context())
+    stacks = build_stage(app, cfg, image_uri=TEST_IMAGE)
     return Stage(stacks=stacks, templates={role: template_json(app, stack) for role, stack in stacks.items()})

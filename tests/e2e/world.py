@@ -63,7 +63,7 @@ class E2EWorld:
     # ---- set-up ----------------------------------------------------------------------------
     def __enter__(self) -> "E2EWorld":
         stack = self._stack
-        self.stage = self.stage or synthesize()
+        self.stage = self.stage or synthesize(self.preset)
         stack.enter_context(mock_aws(config=MOTO_CONFIG))
         self.hooks = stack.enter_context(patched_moto_batch())
         self.delivery_errors = stack.enter_context(eventbridge_starts_executions())
