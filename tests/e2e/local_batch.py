@@ -40,6 +40,7 @@ import fnmatch
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -59,6 +60,8 @@ LOOPBACK = "127.0.0.1"
 # Sanity flags whose checks need hardware this machine lacks: a Lustre mount (--fsx-path) and the
 # instance type's Neuron devices and EFA interfaces (--instance-type).
 DROPPED_FLAGS = ("--fsx-path", "--instance-type")
+RENDEZVOUS_PORT = 29500  # training_image/entrypoint.sh MASTER_PORT
+PORT_WAIT_S = 600.0
 INSTANCE_TYPE_ENV = "INSTANCE_TYPE"  # what sanity also reads for the expected counts; unset for it here
 # Seconds a child node may outlive the main node before it is stopped (Batch ends the job when
 # the main node exits).
@@ -297,6 +300,8 @@ class LocalBatch:
             self.before_job()
         argv = ["bash", str(ENTRYPOINT), *local_arguments(substitute(spec.command, parameters), self.setup.fsx_root)]
         node_count = run.nodes if spec.num_nodes is not None else None
+        if node_count:
+            _wait_for_free_port(RENDEZVOUS_PORT, PORT_WAIT_S)
         started, t0 = datetime.now(), time.monotonic()
         procs: list[subprocess.Popen] = []
         logs: list[Path] = []
@@ -393,6 +398,23 @@ class LocalBatch:
                     continue
         # Popen reports a signal as -N; a container killed by signal N exits 128 + N.
         return [code if code >= 0 else 128 - code for code in (proc.wait() for proc in procs)], reason
+
+
+def _wait_for_free_port(port: int, timeout_s: float) -> None:
+    """The entrypoint's rendezvous port is fixed (each Batch node has its own network interface);
+    here every node shares this host's, so a multi-node job waits for another one (e.g. a second
+    e2e run on the same machine) to release it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no obstacle
+            try:
+                probe.bind(("0.0.0.0", port))
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    return  # go on: torchrun's own error then names the port
+        time.sleep(1.0)
 
 
 def _descendants(pid: int) -> list[int]:

@@ -7,11 +7,8 @@ a failure (XPASS) the moment the code has the property, and the marker must then
 
 from __future__ import annotations
 
-import shlex
-
 import pytest
 
-from pipeline_steps import distributed as dist_lib
 from tests.e2e.conftest import DATASET
 
 pytestmark = pytest.mark.slow
@@ -22,28 +19,26 @@ def step_arguments(job) -> list[str]:
     return job.attempts[-1].argv[3:]
 
 
+def without_flag(arguments: list[str], flag: str) -> list[str]:
+    if flag not in arguments:
+        return arguments
+    i = arguments.index(flag)
+    return arguments[:i] + arguments[i + 2:]
+
+
 @pytest.mark.xfail(strict=True, reason=(
-    "the compile job definition passes only --run-dir/--preset/--backend while train also passes "
-    "--init-from and --max-steps, and off Neuron compile never calls neuron_parallel_compile"))
-def test_compile_and_train_get_identical_commands_compiler_flags_and_cache(e2e_world, first_run):
+    "the compile job definition lacks train's --init-from, and neither job definition sets "
+    "NEURON_CC_FLAGS (compile defaults it inside the step, train leaves the compiler default)"))
+def test_compile_and_train_get_identical_commands_compiler_flags_and_cache(first_run):
+    """What the Compile and Train jobs were given (the command as Batch ran it and the container
+    environment): the training arguments (the trial appends its own step count, so train's
+    --max-steps is not compared), NEURON_CC_FLAGS and the compile cache location."""
     by_step = {job.definition: job for job in first_run.jobs}
     compile_job, train = by_step["compile"], by_step["train"]
-    assert step_arguments(compile_job) == step_arguments(train)
-
-    records = [r for r in e2e_world.batch.standin_records() if r["tool"] == "neuron_parallel_compile"
-               and r["job_id"].split("#")[0] == compile_job.job_id]
-    assert records, "compile never called neuron_parallel_compile"
-    wrapped = records[0]["argv"][1:]
-    assert wrapped[0] == "torchrun" and wrapped[wrapped.index("-m") + 1:wrapped.index("-m") + 3] == ["pipeline_steps", "train"]
-    trial_flags = wrapped[wrapped.index("train") + 1:]
-    train_flags = step_arguments(train)
-    for flag in ("--preset", "--backend", "--init-from"):
-        if flag in train_flags:
-            assert trial_flags[trial_flags.index(flag) + 1] == train_flags[train_flags.index(flag) + 1], flag
-    train_env = train.attempts[-1].environments[0]
-    assert records[0]["env"].get("NEURON_CC_FLAGS") == train_env.get("NEURON_CC_FLAGS"), shlex.join(wrapped)
-    assert records[0]["env"].get("NEURON_COMPILE_CACHE_URL") == dist_lib.neuron_cache_url(
-        train_env["NEURON_COMPILE_CACHE_URL_BASE"])
+    assert step_arguments(compile_job) == without_flag(step_arguments(train), "--max-steps")
+    compile_env, train_env = compile_job.attempts[-1].environments[0], train.attempts[-1].environments[0]
+    assert compile_env.get("NEURON_CC_FLAGS") and compile_env.get("NEURON_CC_FLAGS") == train_env.get("NEURON_CC_FLAGS")
+    assert compile_env["NEURON_COMPILE_CACHE_URL_BASE"] == train_env["NEURON_COMPILE_CACHE_URL_BASE"]
 
 
 @pytest.fixture(scope="session")

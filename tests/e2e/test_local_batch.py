@@ -36,14 +36,15 @@ def test_no_matching_rule_means_retry():
 
 
 def test_parameters_replace_placeholders_with_defaults_underneath(specs):
-    train = specs["train"]
+    train, prepare = specs["train"], specs["prepare"]
     assert train.num_nodes == 2 and train.main_node == 0
     command = substitute(train.command, {**train.parameters, "run_id": "r1", "init_from": "/fsx/runs/r0"})
     assert command[:3] == ["train", "--run-dir", "/fsx/runs/r1"]
-    assert command[command.index("--preset") + 1] == train.parameters["preset"]
     assert command[command.index("--init-from") + 1] == "/fsx/runs/r0"
     assert command[command.index("--max-steps") + 1] == ""  # dropped by the entrypoint
     assert "Ref::" in " ".join(substitute(train.command, {}))  # nothing supplied: left for the entrypoint to refuse
+    command = substitute(prepare.command, {**prepare.parameters, "run_id": "r1", "data_uri": "/fsx/data/d"})
+    assert command[command.index("--preset") + 1] == prepare.parameters["preset"]  # the default
 
 
 def test_local_arguments_map_fsx_and_the_backend(tmp_path, specs):
