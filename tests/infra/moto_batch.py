@@ -157,8 +157,6 @@ def patched_moto_batch() -> Iterator[BatchHooks]:
         yield hooks
 
 
-
-
 @contextmanager
 def eventbridge_starts_executions() -> Iterator[list[str]]:
     """Yields the list of errors met while delivering (S3's EventBridge hook swallows them)."""
