@@ -11,7 +11,7 @@ BACKEND ?= cpu
 # `make demo PRESET=tiny` or `BACKEND=xla` must not land in the first run's directory.
 RUN_DIR ?= runs/demo-$(PRESET)-$(BACKEND)
 
-.PHONY: demo check-node test venv synth infra-diff snapshots bench clean cdk-cli cdk lock
+.PHONY: demo check-node test e2e venv synth infra-diff snapshots bench clean cdk-cli cdk lock
 # jsii (the CDK's Node bridge) warns on every run about Node 20's end of life; the warning is noise here.
 export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 STAGE ?= dev
@@ -42,6 +42,12 @@ check-node:
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The deployed shape locally: the synthesized dev state machine in moto, every Batch job run for
+# real through training_image/entrypoint.sh (docs/orchestration.md "Local end-to-end run"). The
+# same scenarios run as tests/e2e/ under `make test`.
+e2e: $(STAMP)
+	$(PY) -m tests.e2e --work-dir runs/e2e
 
 # Offline and deterministic: writes cdk.out/ for the stage (`make synth STAGE=prod`).
 synth: $(STAMP)

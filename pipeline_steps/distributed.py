@@ -20,6 +20,7 @@ import importlib.metadata
 import importlib.util
 import os
 import random
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
@@ -116,6 +117,30 @@ def init(backend: str) -> World:
         except (RuntimeError, ValueError) as exc:  # rendezvous timeouts, refused connections
             raise RetryableError(f"could not join the process group: {exc}") from exc
     return World(backend, rank, world_size, local_rank, device)
+
+
+# A collective whose peer went away (its node was lost, its process killed) fails on the surviving
+# ranks with a transport error: torch's DistError family (c10d, NCCL), or a plain RuntimeError
+# naming gloo's TCP transport or the socket error.
+_PEER_LOST_MARKERS = ("gloo/transport", "Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    return isinstance(exc, dist.DistError) or (
+        isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in _PEER_LOST_MARKERS))
+
+
+@contextmanager
+def peer_failures_are_retryable(world: World, what: str) -> Iterator[None]:
+    """Turn a lost peer into RetryableError (exit 75: Batch retries the job, which resumes from
+    the last checkpoint) instead of an internal error (exit 1: not retried)."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if not (world.distributed and is_peer_failure(exc)):
+            raise
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RetryableError(f"{what}: a peer of rank {world.rank} of {world.world_size} went away ({detail})") from exc
 
 
 def shutdown() -> None:

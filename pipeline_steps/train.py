@@ -422,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
                      args.preset, count_parameters(dist_lib.unwrap(trainer.model)), trainer.total_steps,
                      trainer.steps_per_epoch, world.backend, world.world_size)
         # The first steps compile (minutes on Neuron without a warm cache): a longer first bound.
-        with Watchdog(cfg.stall_timeout_s, "training step", startup_timeout_s=2 * cfg.stall_timeout_s) as watchdog:
+        with Watchdog(cfg.stall_timeout_s, "training step", startup_timeout_s=2 * cfg.stall_timeout_s) as watchdog, \
+                dist_lib.peer_failures_are_retryable(world, "training"):
             summary = run_training(trainer, progress=not args.no_progress,
                                    heartbeat=Heartbeat() if world.is_main else None, watchdog=watchdog)
         if world.is_main:

@@ -29,7 +29,13 @@ Test hooks on the returned `BatchHooks`:
   models/current.json: another run's publish landing between our read and our write.
 - `instant_waits`: Wait states return at once (moto sleeps for real) and `waits` records the
   seconds each asked for; what a test checks is the state order and the waited duration.
-Remove the Batch part when moto fills the hooks itself.
+- `run_job`: when set, called as run_job(job, submitted) instead of marking the job done: it runs
+  the job (tests/e2e/local_batch.py), fills its attempts and returns whether it succeeded.
+
+`eventbridge_starts_executions()`: moto's EventBridge delivers to logs, SQS and event buses only;
+this adds Step Functions targets, so a rule whose target is a state machine starts an execution
+with the event as input (what EventBridge does: https://docs.aws.amazon.com/eventbridge/latest/userguide/eb-targets.html).
+Remove this module when moto fills the hooks itself.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib.metadata import version
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 from unittest import mock
 
 import boto3
@@ -78,6 +84,7 @@ class BatchHooks:
     before_put_current: list[Callable[[], None]] = field(default_factory=list)
     instant_waits: bool = False
     waits: list[int] = field(default_factory=list)
+    run_job: Callable[[Any, list[dict]], bool] | None = None
 
 
 def _iso_timestamps(value) -> None:
@@ -137,6 +144,12 @@ def patched_moto_batch() -> Iterator[BatchHooks]:
     original_finish = BatchSimpleBackend._mark_job_as_finished
 
     def mark_job_as_finished(self, include_start_attempt, job):
+        if hooks.run_job is not None:
+            self.backend._jobs[job.job_id] = job
+            job.job_started_at = datetime.datetime.now()
+            job.log_stream_name = job._stream_name
+            job._mark_stopped(success=hooks.run_job(job, hooks.submitted))
+            return
         if job.job_definition.name in hooks.running_job_definitions:
             self.backend._jobs[job.job_id] = job
             job.job_started_at = datetime.datetime.now()
@@ -253,3 +266,37 @@ def patched_moto_batch() -> Iterator[BatchHooks]:
         yield hooks
 
 
+@contextmanager
+def eventbridge_starts_executions() -> Iterator[list[str]]:
+    """Yields the list of errors met while delivering (S3's EventBridge hook swallows them)."""
+    import json
+    import uuid
+
+    from moto.events.models import Rule
+    from moto.utilities.arns import parse_arn
+
+    errors: list[str] = []
+    original = Rule.send_to_targets
+
+    def send_to_targets(self, original_event, transform_input=True):
+        machines = [t for t in self.targets if parse_arn(t["Arn"]).service == "states"]
+        others = [t for t in self.targets if t not in machines]
+        if others:  # moto's own delivery raises NotImplementedError on a state machine target
+            saved, self.targets = self.targets, others
+            try:
+                original(self, original_event, transform_input)
+            finally:
+                self.targets = saved
+        if not self.event_pattern.matches_event(original_event):
+            return
+        for target in machines:
+            arn = parse_arn(target["Arn"])
+            try:
+                boto3.client("stepfunctions", region_name=arn.region).start_execution(
+                    stateMachineArn=target["Arn"], name=str(uuid.uuid4()),
+                    input=json.dumps(original_event, default=str))
+            except Exception as exc:  # noqa: BLE001  reported to the test, never swallowed
+                errors.append(f"{target['Arn']}: {exc!r}")
+
+    with mock.patch.object(Rule, "send_to_targets", send_to_targets):
+        yield errors

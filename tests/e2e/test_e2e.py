@@ -1,0 +1,152 @@
+"""End to end: the synthesized dev pipeline, started by an upload, runs every job's real command
+(entrypoint, parameters, environment, nodes) through the local Batch. Runs: conftest.py."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+
+from tests.e2e.conftest import DATASET, KILLED_NODE
+
+pytestmark = pytest.mark.slow
+
+BATCH_STATES = ["Prepare", "Sanity", "Compile", "Train", "Validate", "Embed"]
+
+
+def product_ids(source) -> set[str]:
+    return {json.loads(line)["id"] for f in (source / "products").glob("*.jsonl")
+            for line in f.read_text().splitlines() if line.strip()}
+
+
+# ---- an upload starts a run; every step runs; the model is published ---------------------------
+
+def test_upload_starts_a_run_that_runs_every_step_and_publishes(e2e_world, first_run):
+    assert first_run.status == "SUCCEEDED", e2e_world.format_path(first_run)
+    assert [s for s in first_run.visited if s in BATCH_STATES] == BATCH_STATES
+    assert first_run.visited[-3:] == ["Publish", "NotifyPublished", "Done"]
+    # The starter named the run after the upload, so every job ran in /fsx/runs/<dataset>-<version>.
+    assert {job.parameters["run_id"] for job in first_run.jobs} == {f"{DATASET}-v1"}
+    by_step = {job.definition: job for job in first_run.jobs}
+    assert {name: by_step[name].nodes for name in ("sanity", "compile", "train")} == {
+        "sanity": 2, "compile": 2, "train": 2}
+    assert sorted(j.array_index for j in first_run.jobs if j.definition == "embed") == [0, 1, 2, 3]
+    pointer = e2e_world.read_json("artifacts_bucket", "models/current.json")
+    assert pointer["run_id"] == f"{DATASET}-v1" and pointer["checkpoint"] == f"/fsx/runs/{DATASET}-v1"
+    assert pointer["data_version"] == "v1" and pointer["metrics"]["recall@10"] > 0
+    assert any("published" in n for n in e2e_world.notifications())
+
+
+def test_the_manifest_holds_an_embedding_for_every_uploaded_product(e2e_world, first_run, demo_data):
+    embeddings = e2e_world.run_dir(f"{DATASET}-v1") / "embeddings"
+    manifest = json.loads((embeddings / "manifest.json").read_text())
+    ids = [row for shard in manifest["shards"]
+           for row in pq.read_table(embeddings / shard["file"], columns=["id"]).column("id").to_pylist()]
+    assert manifest["total_count"] == len(ids) == len(set(ids))
+    assert set(ids) == product_ids(demo_data)
+
+
+def test_batch_variables_reach_every_node_as_batch_sets_them(first_run):
+    train = next(job for job in first_run.jobs if job.definition == "train")
+    main, child = train.attempts[0].environments
+    assert main["AWS_BATCH_JOB_NODE_INDEX"] == "0" and child["AWS_BATCH_JOB_NODE_INDEX"] == "1"
+    assert main["AWS_BATCH_JOB_NUM_NODES"] == child["AWS_BATCH_JOB_NUM_NODES"] == "2"
+    # Batch sets the main node's address on the children only; the entrypoint finds its own.
+    assert "AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS" not in main
+    assert child["AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS"] == "127.0.0.1"
+    assert main["INSTANCE_TYPE"] == "trn1.32xlarge" and main["FI_PROVIDER"] == "efa"  # the definition's environment
+    embeds = [job for job in first_run.jobs if job.definition == "embed"]
+    assert sorted(job.attempts[0].environments[0]["AWS_BATCH_JOB_ARRAY_INDEX"] for job in embeds) == ["0", "1", "2", "3"]
+    # Ref::shard_count came from the submit, Ref::preset from the defaults.
+    assert {job.attempts[0].argv[job.attempts[0].argv.index("--shard-count") + 1] for job in embeds} == {"4"}
+
+
+# ---- a node lost during Train: exit 75, Batch retries, the retry resumes --------------------------
+
+def test_a_node_killed_during_train_is_retried_by_batch(first_run):
+    train = next(job for job in first_run.jobs if job.definition == "train")
+    first, second = train.attempts
+    assert first.node_exit_codes[KILLED_NODE] == 137  # the killed node (SIGKILL)
+    assert first.exit_code == 75, first.logs[0].read_text()[-3000:]
+    assert second.exit_code == 0
+    assert [a.environments[0]["AWS_BATCH_JOB_ATTEMPT"] for a in train.attempts] == ["1", "2"]
+
+
+def test_the_retry_resumes_from_the_checkpoint(first_run):
+    train = next(job for job in first_run.jobs if job.definition == "train")
+    first_log, second_log = (a.logs[0].read_text() for a in train.attempts)
+    assert "saved checkpoint" in first_log and "step-000000020.pt" in first_log
+    assert "resuming from" in second_log and "step-000000020.pt (step 20" in second_log
+
+
+
+# ---- a second upload: incremental from the published model, gated against it, rejected ------------
+
+def test_a_second_upload_trains_incrementally_from_the_published_model(rejected_run):
+    result = rejected_run.result
+    assert "UseCurrentModel" in result.visited and "TrainFromScratch" not in result.visited
+    by_step = {job.definition: job for job in result.jobs}
+    published = f"/fsx/runs/{DATASET}-v1"
+    assert by_step["prepare"].parameters["init_from"] == by_step["train"].parameters["init_from"] == published
+    train_log = by_step["train"].attempts[0].logs[0].read_text().splitlines()
+    (line,) = [line for line in train_log if "incremental training: weights from" in line]
+    assert f"/fsx/runs/{DATASET}-v1/checkpoints/" in line
+
+
+def test_the_worse_model_is_gated_against_the_published_metrics_and_rejected(e2e_world, rejected_run):
+    result = rejected_run.result
+    assert result.status == "SUCCEEDED", e2e_world.format_path(result)  # a rejection is not a failure
+    assert result.visited[-3:] == ["GatePassed", "NotifyGateFailed", "ModelRejected"]
+    assert "Embed" not in result.visited and "Publish" not in result.visited
+    validate = next(job for job in result.jobs if job.definition == "validate")
+    assert validate.parameters["previous_metrics"] == f"/fsx/runs/{DATASET}-v1/validation/metrics.json"
+    gate = e2e_world.read_json("artifacts_bucket", f"runs/{DATASET}-v2/validation/gate.json")
+    assert gate["passed"] is False
+    published = rejected_run.pointer_before["metrics"]
+    assert {k: gate["previous"][k] for k in gate["gated_metrics"]} == {k: published[k] for k in gate["gated_metrics"]}
+    assert any(gate["metrics"][k] < published[k] for k in gate["gated_metrics"])
+    assert e2e_world.read_json("artifacts_bucket", "models/current.json") == rejected_run.pointer_before
+    assert any("quality gate" in n for n in e2e_world.notifications())
+
+
+# ---- compile runs exactly the training command; every run is gated against production -------
+def step_arguments(job) -> list[str]:
+    """What follows `entrypoint.sh <step>` in the job's command, as the node ran it."""
+    return job.attempts[-1].argv[3:]
+
+
+def without_flag(arguments: list[str], flag: str) -> list[str]:
+    if flag not in arguments:
+        return arguments
+    i = arguments.index(flag)
+    return arguments[:i] + arguments[i + 2:]
+
+
+def test_compile_and_train_get_identical_commands_compiler_flags_and_cache(first_run):
+    """What the Compile and Train jobs were given (the command as Batch ran it and the container
+    environment): the training arguments (the trial appends its own step count, so train's
+    --max-steps is not compared), NEURON_CC_FLAGS and the compile cache location."""
+    by_step = {job.definition: job for job in first_run.jobs}
+    compile_job, train = by_step["compile"], by_step["train"]
+    assert step_arguments(compile_job) == without_flag(step_arguments(train), "--max-steps")
+    compile_env, train_env = compile_job.attempts[-1].environments[0], train.attempts[-1].environments[0]
+    assert compile_env.get("NEURON_CC_FLAGS") and compile_env.get("NEURON_CC_FLAGS") == train_env.get("NEURON_CC_FLAGS")
+    assert compile_env["NEURON_COMPILE_CACHE_URL_BASE"] == train_env["NEURON_COMPILE_CACHE_URL_BASE"]
+
+
+@pytest.fixture(scope="session")
+def explicit_init_run(e2e_world, rejected_run):
+    """A manual run of the v1 data with init_from = the published model, given in the input."""
+    e2e_world.sfn.start_execution(stateMachineArn=e2e_world.pipeline_arn, name=f"{DATASET}-v1-incremental",
+                                  input=f'{{"dataset": "{DATASET}", "version": "v1", "embed_shards": 2, '
+                                        f'"data_uri": "/fsx/data/incoming/{DATASET}/v1", '
+                                        f'"init_from": "/fsx/runs/{DATASET}-v1"}}')
+    result = e2e_world.wait_for_run(f"{DATASET}-v1-incremental")
+    print("\n" + e2e_world.format_path(result))
+    return result
+
+
+def test_an_explicit_init_from_run_is_gated_against_the_published_metrics(explicit_init_run):
+    validate = next(job for job in explicit_init_run.jobs if job.definition == "validate")
+    assert validate.parameters["previous_metrics"] == f"/fsx/runs/{DATASET}-v1/validation/metrics.json"

@@ -1,0 +1,262 @@
+"""The deployed shape, locally: the synthesized dev stage's state machines, rule and job definitions
+in moto, with every Batch job run for real by the local Batch (local_batch.py).
+
+    with E2EWorld(work_dir) as world:
+        world.upload_dataset("catalog", "v1", demo_dir)      # incoming/catalog/v1/... then _SUCCESS
+        result = world.wait_for_run("catalog-v1")            # the EventBridge rule's starter named it
+        print(world.format_path(result))
+
+Moto serves the same in-memory AWS to this process (mock_aws) and, over HTTP, to the job
+processes (a ThreadedMotoServer on a free port: AWS_ENDPOINT_URL in every job's environment).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import boto3
+from moto import mock_aws
+from moto.server import ThreadedMotoServer
+
+from tests.e2e.local_batch import JobDefinitionSpec, JobRun, LocalBatch, LocalSetup
+from tests.e2e.stage import Stage, synthesize
+
+from moto_batch import eventbridge_starts_executions, patched_moto_batch  # tests/infra, on sys.path via stage
+
+MOTO_CONFIG = {"stepfunctions": {"execute_state_machine": True}, "batch": {"use_docker": False}}
+BUCKETS = {"data_bucket": "trnembed-dev-data", "artifacts_bucket": "trnembed-dev-artifacts",
+           "cache_bucket": "trnembed-dev-cache"}
+DATA_REPOSITORY_PREFIX = "incoming/"  # what the FSx data repository association imports to /fsx/data/
+
+
+@dataclass
+class RunResult:
+    name: str
+    arn: str
+    status: str
+    states: list[dict[str, Any]]  # {name, seconds} in the order entered
+    jobs: list[JobRun]
+
+    @property
+    def visited(self) -> list[str]:
+        return [s["name"] for s in self.states]
+
+
+class E2EWorld:
+    """Context manager; attributes after __enter__: stage, batch (LocalBatch), s3, sfn, buckets,
+    pipeline_arn, starter_arn, topic_arn."""
+
+    def __init__(self, work_dir: Path, *, nproc_per_node: int = 1, preset: str = "tiny",
+                 stage: Stage | None = None) -> None:
+        self.work_dir = Path(work_dir)
+        self.nproc_per_node = nproc_per_node
+        self.preset = preset
+        self.stage = stage
+        self._stack = ExitStack()
+
+    # ---- set-up ----------------------------------------------------------------------------
+    def __enter__(self) -> "E2EWorld":
+        stack = self._stack
+        self.stage = self.stage or synthesize(self.preset)
+        stack.enter_context(mock_aws(config=MOTO_CONFIG))
+        self.hooks = stack.enter_context(patched_moto_batch())
+        self.delivery_errors = stack.enter_context(eventbridge_starts_executions())
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request from the jobs
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        stack.callback(server.stop)
+        host, port = server.get_host_and_port()
+        region = self.stage.region
+        self.s3 = boto3.client("s3", region_name=region)
+        self.sfn = boto3.client("stepfunctions", region_name=region)
+        self._batch_api = boto3.client("batch", region_name=region)
+        setup = LocalSetup(work_dir=self.work_dir, endpoint_url=f"http://{host}:{port}", region=region,
+                           nproc_per_node=self.nproc_per_node, parameter_defaults={"preset": self.preset})
+        self._create_buckets()
+        definitions = self._create_batch()
+        self._create_topic()
+        self._create_state_machines()
+        self._create_rule()
+        self.batch = LocalBatch(setup, definitions, before_job=self.import_data_repository)
+        self.hooks.run_job = self.batch.run_moto_job
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stack.close()
+
+    def _create_buckets(self) -> None:
+        storage = self.stage.stacks["storage"]
+        self.buckets = {}
+        for attribute, name in BUCKETS.items():
+            self.s3.create_bucket(Bucket=name)
+            self.stage.bind("storage", getattr(storage, attribute), name, Arn=f"arn:aws:s3:::{name}")
+            self.buckets[attribute] = name
+        # The data bucket sends its events to EventBridge (the stack's event_bridge_enabled=True).
+        self.s3.put_bucket_notification_configuration(
+            Bucket=self.buckets["data_bucket"], NotificationConfiguration={"EventBridgeConfiguration": {}})
+
+    def _create_batch(self) -> dict[str, JobDefinitionSpec]:
+        compute = self.stage.stacks["compute"]
+        account = self.stage.account
+        boto3.client("iam", region_name=self.stage.region).create_role(
+            RoleName="batch-service", AssumeRolePolicyDocument="{}")
+        ce = self._batch_api.create_compute_environment(
+            computeEnvironmentName="local-ce", type="UNMANAGED",
+            serviceRole=f"arn:aws:iam::{account}:role/batch-service")["computeEnvironmentArn"]
+        for name, queue in compute.queues.items():
+            arn = self._batch_api.create_job_queue(
+                jobQueueName=name, state="ENABLED", priority=1,
+                computeEnvironmentOrder=[{"order": 1, "computeEnvironment": ce}])["jobQueueArn"]
+            self.stage.bind("compute", queue, arn, JobQueueArn=arn)
+        templates = self.stage.templates["compute"]["Resources"]
+        definitions: dict[str, JobDefinitionSpec] = {}
+        for name, job_definition in compute.job_definitions.items():
+            props = templates[self.stage.logical_id(job_definition)]["Properties"]
+            spec = JobDefinitionSpec.from_properties(name, self.stage.resolve("compute", _runtime_fields(props)))
+            arn = self._batch_api.register_job_definition(
+                jobDefinitionName=name, type="container", parameters=spec.parameters,
+                retryStrategy={"attempts": spec.attempts},
+                containerProperties={"image": props.get("ContainerProperties", {}).get("Image", "training-image"),
+                                     "vcpus": 1, "memory": 128, "command": spec.command})["jobDefinitionArn"]
+            self.stage.bind("compute", job_definition, arn)
+            definitions[arn] = spec
+        return definitions
+
+    def _create_topic(self) -> None:
+        pipeline = self.stage.stacks["pipeline"]
+        sns = boto3.client("sns", region_name=self.stage.region)
+        sqs = boto3.client("sqs", region_name=self.stage.region)
+        self.topic_arn = sns.create_topic(Name="alerts")["TopicArn"]
+        self.stage.bind("pipeline", pipeline.topic, self.topic_arn)
+        self._sqs = sqs
+        self._inbox = sqs.create_queue(QueueName="inbox")["QueueUrl"]
+        inbox_arn = sqs.get_queue_attributes(QueueUrl=self._inbox, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+        sns.subscribe(TopicArn=self.topic_arn, Protocol="sqs", Endpoint=inbox_arn,
+                      Attributes={"RawMessageDelivery": "true"})
+
+    def _create_state_machines(self) -> None:
+        pipeline = self.stage.stacks["pipeline"]
+        role = f"arn:aws:iam::{self.stage.account}:role/states"
+        self.pipeline_arn = self.sfn.create_state_machine(
+            name="TrainingPipeline", roleArn=role,
+            definition=json.dumps(self.stage.state_machine_definition(pipeline.pipeline.state_machine)))["stateMachineArn"]
+        self.stage.bind("pipeline", pipeline.pipeline.state_machine, self.pipeline_arn, Name="TrainingPipeline")
+        self.starter_arn = self.sfn.create_state_machine(
+            name="Starter", roleArn=role,
+            definition=json.dumps(self.stage.state_machine_definition(pipeline.trigger.starter)))["stateMachineArn"]
+        self.stage.bind("pipeline", pipeline.trigger.starter, self.starter_arn)
+
+    def _create_rule(self) -> None:
+        rule = self.stage.stacks["pipeline"].trigger.rule
+        props = self.stage.templates["pipeline"]["Resources"][self.stage.logical_id(rule)]["Properties"]
+        events = boto3.client("events", region_name=self.stage.region)
+        events.put_rule(Name="NewDataRule", EventPattern=json.dumps(self.stage.resolve("pipeline", props["EventPattern"])),
+                        State=props.get("State", "ENABLED"))
+        events.put_targets(Rule="NewDataRule", Targets=[
+            {"Id": t["Id"], "Arn": self.stage.resolve("pipeline", t["Arn"])} for t in props["Targets"]])
+
+    # ---- actions ---------------------------------------------------------------------------
+    def upload_dataset(self, dataset: str, version: str, source: Path, marker: str = "_SUCCESS") -> str:
+        """Upload every file under `source` to incoming/<dataset>/<version>/, the marker last."""
+        prefix = f"{DATA_REPOSITORY_PREFIX}{dataset}/{version}/"
+        for path in sorted(p for p in Path(source).rglob("*") if p.is_file() and p.name != marker):
+            self.s3.upload_file(str(path), self.buckets["data_bucket"], prefix + path.relative_to(source).as_posix())
+        self.s3.put_object(Bucket=self.buckets["data_bucket"], Key=prefix + marker, Body=b"")
+        return prefix + marker
+
+    def import_data_repository(self) -> None:
+        """FSx auto-import, locally: data bucket incoming/ objects appear under /fsx/data/."""
+        root = self.batch.setup.fsx_root / "data"
+        paginator = self.s3.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.buckets["data_bucket"], Prefix=DATA_REPOSITORY_PREFIX):
+            for obj in page.get("Contents", []):
+                target = root / obj["Key"]
+                if target.exists() and target.stat().st_size == obj["Size"]:
+                    continue
+                target.parent.mkdir(parents=True, exist_ok=True)
+                self.s3.download_file(self.buckets["data_bucket"], obj["Key"], str(target))
+
+    def wait_for_run(self, name: str, timeout_s: float = 1200.0) -> RunResult:
+        """The pipeline execution called `name`, once it has finished."""
+        deadline = time.monotonic() + timeout_s
+        arn = f"{self.pipeline_arn.replace(':stateMachine:', ':execution:')}:{name}"
+        while True:
+            assert not self.delivery_errors, f"EventBridge could not start the starter: {self.delivery_errors}"
+            try:
+                desc = self.sfn.describe_execution(executionArn=arn)
+            except self.sfn.exceptions.ExecutionDoesNotExist:
+                desc = None
+            if desc is not None and desc["status"] != "RUNNING":
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"execution {name} not finished after {timeout_s:g} s (status "
+                                   f"{desc['status'] if desc else 'not started'})")
+            time.sleep(0.5)
+        events = self.sfn.get_execution_history(executionArn=arn, maxResults=1000)["events"]
+        entered: dict[str, Any] = {}
+        states: list[dict[str, Any]] = []
+        for event in events:
+            if "stateEnteredEventDetails" in event:
+                state = event["stateEnteredEventDetails"]["name"]
+                entered[state] = event["timestamp"]
+                states.append({"name": state, "seconds": None})
+            elif "stateExitedEventDetails" in event:
+                state = event["stateExitedEventDetails"]["name"]
+                for record in reversed(states):
+                    if record["name"] == state and record["seconds"] is None:
+                        record["seconds"] = (event["timestamp"] - entered[state]).total_seconds()
+                        break
+        jobs = [r for r in self.batch.runs if r.parameters.get("run_id") == name]  # the run id is the name
+        return RunResult(name=name, arn=arn, status=desc["status"], states=states, jobs=jobs)
+
+    def notifications(self) -> list[str]:
+        out = self._sqs.receive_message(QueueUrl=self._inbox, MaxNumberOfMessages=10).get("Messages", [])
+        return [m["Body"] for m in out]
+
+    def read_json(self, bucket: str, key: str) -> dict:
+        return json.loads(self.s3.get_object(Bucket=self.buckets[bucket], Key=key)["Body"].read())
+
+    def run_dir(self, run_id: str) -> Path:
+        return self.batch.setup.fsx_root / "runs" / run_id
+
+    def format_path(self, result: RunResult) -> str:
+        """The executed path: state, job, nodes, attempts, exit codes, seconds; then the status."""
+        rows = [("state", "job", "nodes", "attempts", "exit code", "seconds")]
+        jobs_by_state: dict[str, list[JobRun]] = {}
+        for job in result.jobs:
+            jobs_by_state.setdefault(job.job_name, []).append(job)
+        for state in result.states:
+            jobs = jobs_by_state.pop(state["name"].lower(), [])
+            seconds = "-" if state["seconds"] is None else f"{state['seconds']:.1f}"
+            if not jobs:
+                rows.append((state["name"], "", "", "", "", seconds))
+            for job in jobs:
+                label = job.definition + (f"[{job.array_index}]" if job.array_index is not None else "")
+                codes = ",".join(str(a.exit_code) for a in job.attempts)
+                rows.append((state["name"], label, str(job.nodes), str(len(job.attempts)), codes, f"{job.seconds:.1f}"))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        lines.append(f"execution {result.name}: {result.status}")
+        return "\n".join(lines)
+
+
+def _runtime_fields(props: dict) -> dict:
+    """The job definition properties the local Batch uses (the rest, e.g. roles, stays unresolved)."""
+    keep: dict[str, Any] = {k: props[k] for k in ("Parameters", "RetryStrategy", "Timeout") if k in props}
+    if "NodeProperties" in props:
+        node = props["NodeProperties"]
+        keep["NodeProperties"] = {
+            "MainNode": node["MainNode"], "NumNodes": node["NumNodes"],
+            "NodeRangeProperties": [{"TargetNodes": r["TargetNodes"], "Container": {
+                k: r["Container"][k] for k in ("Command", "Environment") if k in r["Container"]}}
+                for r in node["NodeRangeProperties"]]}
+    else:
+        keep["ContainerProperties"] = {k: props["ContainerProperties"][k] for k in ("Command", "Environment")
+                                       if k in props["ContainerProperties"]}
+    return keep
