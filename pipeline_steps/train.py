@@ -244,6 +244,9 @@ class Trainer:
                 f"loss is {loss_value} at step {self.state.step + 1} (lr {self.scheduler.get_last_lr()[0]:.3g}); "
                 "stopped before the optimizer step. Lower --lr, check the input features for extreme "
                 "values, or resume from the last checkpoint")
+        # Average over workers, then clip, then step: every worker clips the same averaged
+        # gradients, as DDP does (its all-reduce runs inside backward).
+        dist_lib.reduce_gradients(self.world, self.optimizer)
         if self.cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         dist_lib.optimizer_step(self.world, self.optimizer)

@@ -138,3 +138,19 @@ def test_non_finite_loss_stops_before_the_update_with_its_exit_code(tiny_run: Pa
     result = run_cli(*TRAIN, "--run-dir", tiny_run, "--backend", "cpu", "--lr", "1e12", "--max-steps", "30")
     assert result.returncode == ExitCode.NON_FINITE_LOSS, result.stderr[-3000:]
     assert "stopped before the optimizer step" in result.stderr
+
+
+def test_explicit_gradient_all_reduce_clips_the_averaged_gradients_like_ddp(tiny_run: Path, tmp_path: Path) -> None:
+    # PIPELINE_GRAD_REDUCE=allreduce runs the XLA path's order on gloo: backward, all-reduce average,
+    # clip, step. Clipping each worker's own gradients before averaging would end elsewhere than DDP.
+    explicit = tmp_path / "explicit"
+    shutil.copytree(tiny_run, explicit)
+    steps = ("--backend", "cpu", "--max-steps", "6")
+    ddp = run_cli(*TRAIN, "--run-dir", tiny_run, *steps, torchrun=2)
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    allreduce = run_cli(*TRAIN, "--run-dir", explicit, *steps, torchrun=2,
+                        env=cli_env(PIPELINE_GRAD_REDUCE="allreduce"))
+    assert allreduce.returncode == 0, allreduce.stderr[-3000:]
+    expected, actual = final_weights(tiny_run), final_weights(explicit)
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-4, atol=1e-5, msg=name)
