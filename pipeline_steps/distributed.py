@@ -341,6 +341,17 @@ def compile_count(world: World) -> int | None:
     return int(data[0]) if data else 0
 
 
+def host_transfers(world: World) -> int | None:
+    """Device-to-host transfers so far in this process (torch_xla's `TransferFromDeviceTime`
+    metric: every `.item()`, `.cpu()` or print of a device tensor); None on eager."""
+    if not world.is_xla:
+        return None
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data("TransferFromDeviceTime")
+    return int(data[0]) if data else 0
+
+
 def compile_cache_misses(world: World) -> int | None:
     """Graphs this process needed that were not in the persistent cache `initialize_compile_cache`
     opened (i.e. not traced by the `compile` step); None when no cache is in use."""
