@@ -226,7 +226,8 @@ def reduce_gradients(world: World, optimizer: torch.optim.Optimizer) -> None:
     """Average the gradients over workers where backward did not already (DDP does it in backward).
 
     Call after backward and before clipping, so every worker clips the same averaged gradients,
-    as DDP does. XLA: `xm.reduce_gradients` (what `xm.optimizer_step` calls before the update)."""
+    as DDP does. XLA: `xm.reduce_gradients` (what `xm.optimizer_step` calls right before the update:
+    https://github.com/pytorch/xla/blob/v2.9.0/torch_xla/core/xla_model.py)."""
     if not world.distributed or world.grad_reduce == "ddp":
         return
     if world.is_xla:
@@ -246,7 +247,9 @@ def optimizer_step(world: World, optimizer: torch.optim.Optimizer, found_inf: to
     """One optimizer step on gradients `reduce_gradients` has averaged.
 
     On XLA, `found_inf` (a device scalar, nonzero = skip) makes the sync-free AdamW skip the whole
-    update inside the graph: the host need not read the loss before the step. Eager backends
+    update inside the graph (torch_xla amp/syncfree/adamw.py,
+    https://github.com/pytorch/xla/blob/v2.9.0/torch_xla/amp/syncfree/adamw.py): the host need not
+    read the loss before the step. Eager backends
     check on the host before calling this, so `found_inf` must be None there."""
     if world.is_xla:
         if found_inf is None:
