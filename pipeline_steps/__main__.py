@@ -24,6 +24,7 @@ STEPS: dict[str, tuple[str, str]] = {
     "embed": ("pipeline_steps.embed", "sharded batch inference of the catalog to Parquet"),
     "run-local": ("pipeline_steps.run_local", "the whole chain on this machine (demo data by default)"),
     "bench": ("pipeline_steps.bench", "throughput ratios against a peer and this machine's ceiling"),
+    "parity": ("pipeline_steps.parity", "train two backends over several seeds; compare metric means and spread"),
 }
 
 
