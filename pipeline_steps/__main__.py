@@ -30,6 +30,7 @@ STEPS: dict[str, tuple[str, str]] = {
     "export": ("pipeline_steps.export", "the towers as sentence-transformers folders for serving"),
     "run-local": ("pipeline_steps.run_local", "the whole chain on this machine (demo data by default)"),
     "bench": ("pipeline_steps.bench", "throughput ratios against a peer and this machine's ceiling"),
+    "parity": ("pipeline_steps.parity", "train two backends over several seeds; compare metric means and spread"),
 }
 
 

@@ -6,8 +6,14 @@ Backends
 - `xla`:  PyTorch/XLA. On Trainium (torch-neuronx installed, `PJRT_DEVICE=NEURON`) this is the
           production path; locally it runs on PJRT's CPU client (`PJRT_DEVICE=CPU`, single process:
           torch-xla's CPU backend cannot run multi-process collectives, pytorch/xla#5005).
-          Multi-worker XLA uses `init_process_group("xla")` and `xm.optimizer_step` (gradient
+          Multi-worker XLA uses `init_process_group("xla")` and `xm.reduce_gradients` (gradient
           all-reduce), without the DDP wrapper, as Neuron recommends.
+
+Gradient reduction: DDP averages gradients inside backward; XLA averages them in an explicit
+`reduce_gradients` call after backward. The trainer calls `reduce_gradients` before it clips, so
+both clip the averaged gradients. `PIPELINE_GRAD_REDUCE=allreduce` runs eager multi-process training
+the XLA way (no DDP wrapper, an explicit all-reduce average), so the XLA step order can be tested
+with gloo on any machine.
 
 Everything else in the package calls the functions here and never imports torch_xla itself, so
 the package imports (and the eager backends run) where torch_xla is not installed, and a native
@@ -31,6 +37,8 @@ import torch.distributed as dist
 from .errors import BadConfigError, RetryableError
 
 BACKENDS = ("cpu", "cuda", "xla")
+GRAD_REDUCE_ENV = "PIPELINE_GRAD_REDUCE"
+GRAD_REDUCE_MODES = ("ddp", "allreduce")
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,9 @@ class World:
     world_size: int
     local_rank: int
     device: torch.device
+    grad_reduce: str = "ddp"
+    """How gradients are averaged over workers: "ddp" (the DDP wrapper, during backward) or
+    "allreduce" (an explicit all-reduce after backward; always on XLA)."""
 
     @property
     def is_main(self) -> bool:
@@ -102,7 +113,7 @@ def init(backend: str) -> World:
             import torch_xla.distributed.xla_backend  # noqa: F401  registers the "xla" process group
 
             dist.init_process_group("xla", init_method="xla://")
-        return World(backend, rank, world_size, local_rank, torch_xla.device())
+        return World(backend, rank, world_size, local_rank, torch_xla.device(), grad_reduce="allreduce")
 
     if backend == "cuda":
         if not torch.cuda.is_available():
@@ -116,7 +127,15 @@ def init(backend: str) -> World:
             dist.init_process_group("nccl" if backend == "cuda" else "gloo")
         except (RuntimeError, ValueError) as exc:  # rendezvous timeouts, refused connections
             raise RetryableError(f"could not join the process group: {exc}") from exc
-    return World(backend, rank, world_size, local_rank, device)
+    return World(backend, rank, world_size, local_rank, device, grad_reduce=_eager_grad_reduce())
+
+
+def _eager_grad_reduce() -> str:
+    mode = os.environ.get(GRAD_REDUCE_ENV) or "ddp"
+    if mode not in GRAD_REDUCE_MODES:
+        raise BadConfigError(f"{GRAD_REDUCE_ENV}={mode!r} is not one of {', '.join(GRAD_REDUCE_MODES)}; "
+                             "unset it to train with DDP")
+    return mode
 
 
 # A collective whose peer went away (its node was lost, its process killed) fails on the surviving
@@ -176,13 +195,17 @@ def mark_step(world: World) -> None:
 
 
 def prepare_model(world: World, model: torch.nn.Module, *, bf16: bool = False) -> torch.nn.Module:
-    """Move to the device; wrap in DDP on multi-process eager backends."""
+    """Move to the device; wrap in DDP on multi-process eager backends (grad_reduce "ddp")."""
     model = model.to(world.device)
     if world.is_xla and bf16:
         model = model.to(torch.bfloat16)
     if world.distributed and not world.is_xla:
-        device_ids = [world.local_rank] if world.backend == "cuda" else None
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        if world.grad_reduce == "ddp":
+            device_ids = [world.local_rank] if world.backend == "cuda" else None
+            return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        # Without DDP nobody broadcasts rank 0's initial weights: do it, as DDP's constructor does.
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=0)
     return model
 
 
@@ -224,17 +247,41 @@ def init_optimizer_state(world: World, optimizer: torch.optim.Optimizer) -> None
                 state["max_exp_avg_sq"] = torch.empty(0, dtype=torch.float32, device=param.device)
 
 
-def optimizer_step(world: World, optimizer: torch.optim.Optimizer) -> None:
-    """One optimizer step; on XLA `xm.optimizer_step` all-reduces gradients across workers first.
+def reduce_gradients(world: World, optimizer: torch.optim.Optimizer) -> None:
+    """Average the gradients over workers where backward did not already (DDP does it in backward).
 
-    The sync-free AdamW takes `found_inf`: zero here, because the trainer has already stopped the
-    run on a non-finite loss before reaching the update."""
+    Call after backward and before clipping, so every worker clips the same averaged gradients,
+    as DDP does. XLA: `xm.reduce_gradients` (what `xm.optimizer_step` calls right before the update:
+    https://github.com/pytorch/xla/blob/v2.9.0/torch_xla/core/xla_model.py)."""
+    if not world.distributed or world.grad_reduce == "ddp":
+        return
     if world.is_xla:
         import torch_xla.core.xla_model as xm
 
-        found_inf = torch.zeros((), dtype=torch.float32, device=world.device)
-        xm.optimizer_step(optimizer, optimizer_args={"found_inf": found_inf})
+        xm.reduce_gradients(optimizer)
+        return
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])  # one collective, not one per tensor
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    flat /= world.world_size
+    for grad, reduced in zip(grads, flat.split([g.numel() for g in grads])):
+        grad.copy_(reduced.view_as(grad))
+
+
+def optimizer_step(world: World, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | None = None) -> None:
+    """One optimizer step on gradients `reduce_gradients` has averaged.
+
+    On XLA, `found_inf` (a device scalar, nonzero = skip) makes the sync-free AdamW skip the whole
+    update inside the graph (torch_xla amp/syncfree/adamw.py,
+    https://github.com/pytorch/xla/blob/v2.9.0/torch_xla/amp/syncfree/adamw.py): the host need not
+    read the loss before the step. Eager backends
+    check on the host before calling this, so `found_inf` must be None there."""
+    if world.is_xla:
+        if found_inf is None:
+            found_inf = torch.zeros((), dtype=torch.float32, device=world.device)
+        optimizer.step(found_inf=found_inf)
     else:
+        assert found_inf is None, "eager optimizers cannot skip in-graph; check the loss on the host"
         optimizer.step()
 
 
@@ -319,6 +366,17 @@ def compile_count(world: World) -> int | None:
     import torch_xla.debug.metrics as met
 
     data = met.metric_data("CompileTime")
+    return int(data[0]) if data else 0
+
+
+def host_transfers(world: World) -> int | None:
+    """Device-to-host transfers so far in this process (torch_xla's `TransferFromDeviceTime`
+    metric: every `.item()`, `.cpu()` or print of a device tensor); None on eager."""
+    if not world.is_xla:
+        return None
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data("TransferFromDeviceTime")
     return int(data[0]) if data else 0
 
 

@@ -14,9 +14,10 @@ weights as an uninterrupted run (eager backends: dropout is reseeded from (seed,
 the data order is a function of (seed, epoch), so neither depends on where a run was cut).
 
 XLA discipline: every batch has one of a few static shapes (one per length bucket), the AdamW
-state is materialised before the first step so step 1 and step N trace the same optimizer graph,
-`mark_step` runs after backward and after the optimizer step, and the only host reads are the
-loss after the backward graph has run (needed to stop on a non-finite loss before the update).
+state is materialised before the first step so step 1 and step N trace the same graph, one
+`mark_step` per step (forward, backward, all-reduce, clip and update in one graph), and no host
+read inside the step: a non-finite loss sets a device flag that skips the update in the graph, and
+the loop reads each step's loss one step later, while the device runs the next step.
 """
 
 from __future__ import annotations
@@ -119,6 +120,24 @@ class TrainState:
 
 
 @dataclass
+class StepOutput:
+    """One dispatched optimizer step: its number, learning rate and scalar values ("loss" and the
+    loss parts). On XLA the values stay on the device until `host()` reads them."""
+
+    step: int
+    lr: float
+    values: dict[str, torch.Tensor]
+    _host: dict[str, float] | None = None
+
+    def host(self) -> dict[str, float]:
+        """The values as floats (waits for this step's graph). Each value is an output of the step's
+        graph, so reading it is a copy; combining them first (torch.stack) would be a new graph."""
+        if self._host is None:
+            self._host = {k: float(v.item()) for k, v in self.values.items()}
+        return self._host
+
+
+@dataclass
 class XlaAccounting:
     """Graphs compiled in this process, and how many after every batch shape has been stepped once."""
 
@@ -188,6 +207,9 @@ class Trainer:
             self.scheduler.load_state_dict(self._resume_state["scheduler"])
             self._resume_state = None  # free the CPU copy
         dist_lib.init_optimizer_state(world, self.optimizer)
+        # XLA: 1 once any step's loss was non-finite; from then on every update is skipped in the
+        # graph, so the weights stay those before that step until the host reads the loss and stops.
+        self._halted = torch.zeros((), dtype=torch.float32, device=world.device) if world.is_xla else None
         dist_lib.mark_step(world)  # the state's zeros are their own small graph, not part of step 1
         self.xla = XlaAccounting(world, num_shapes=len(self.batches.first_batch_per_bucket()))
 
@@ -232,33 +254,47 @@ class Trainer:
         if not self.world.is_xla:
             torch.manual_seed((self.cfg.seed * 1_000_003 + self.world.rank * 7919 + step) % 2**63)
 
-    def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-        """One optimizer step on a device batch; returns host floats (loss after the all-reduce)."""
+    def train_step(self, batch: dict[str, torch.Tensor]) -> StepOutput:
+        """One optimizer step on a device batch; the loss in the output is the mean over workers.
+
+        Eager: the loss is read and checked before the update. XLA: nothing is read on the host
+        (that would stall tracing of the next step until this one ran); a non-finite loss skips
+        the update on the device, and `checked_values` raises when the loop reads it."""
         self._reseed(self.state.step)
         self.model.train()
         loss, parts = training_loss(self.model, batch, self.cfg)
         loss.backward()
         # The global mean loss: a NaN on any rank stops every rank at the same step.
         global_loss = dist_lib.all_reduce_sum(self.world, loss.detach().float()) / self.world.world_size
-        dist_lib.mark_step(self.world)
-        loss_value = float(global_loss.item())
-        if not math.isfinite(loss_value):
-            raise NonFiniteLossError(
-                f"loss is {loss_value} at step {self.state.step + 1} (lr {self.scheduler.get_last_lr()[0]:.3g}); "
-                "stopped before the optimizer step. Lower --lr, check the input features for extreme "
-                "values, or resume from the last checkpoint")
+        out = StepOutput(self.state.step + 1, self.scheduler.get_last_lr()[0],
+                         {"loss": global_loss, **{k: v.detach() for k, v in parts.items()}})
+        found_inf = None
+        if self._halted is not None:
+            self._halted = torch.maximum(self._halted, (~torch.isfinite(global_loss)).float())
+            found_inf = self._halted
+        else:
+            self.checked_values(out)
+        # Average over workers, then clip, then step: every worker clips the same averaged
+        # gradients, as DDP does (its all-reduce runs inside backward).
+        dist_lib.reduce_gradients(self.world, self.optimizer)
         if self.cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        dist_lib.optimizer_step(self.world, self.optimizer)
+        dist_lib.optimizer_step(self.world, self.optimizer, found_inf)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         dist_lib.mark_step(self.world)
         self.state.step += 1
-        return {"loss": loss_value, **self._host_parts(parts)}
+        return out
 
-    def _host_parts(self, parts: dict[str, torch.Tensor]) -> dict[str, float]:
-        # Already computed by the backward graph: reading them is a copy, not a new graph.
-        return {k: float(v.detach().float().item()) for k, v in parts.items()}
+    def checked_values(self, out: StepOutput) -> dict[str, float]:
+        """A step's values on the host; NonFiniteLossError if its loss is not finite."""
+        values = out.host()
+        if not math.isfinite(values["loss"]):
+            raise NonFiniteLossError(
+                f"loss is {values['loss']} at step {out.step} (lr {out.lr:.3g}); stopped before the optimizer "
+                "step: no update from this step on was applied. Lower --lr, check the input features for "
+                "extreme values, or resume from the last checkpoint")
+        return values
 
     @torch.no_grad()
     def eval_step(self, batch: dict[str, torch.Tensor]) -> float:
@@ -331,28 +367,42 @@ def run_training(trainer: Trainer, *, progress: bool = True, heartbeat: Heartbea
         log.info("already trained to step %d; nothing to do", first_step)
     with Progress(trainer.total_steps, "train", log_every=cfg.log_every, enabled=world.is_main,
                   live=None if progress else False, start_step=first_step) as bar:
+
+        def log_step(out: StepOutput, record: dict[str, Any]) -> None:
+            """Read a dispatched step's values (raises on a non-finite loss) and report them."""
+            record.update(trainer.checked_values(out))
+            if world.is_main:
+                append_jsonl(metrics_path, record)
+                bar.update(out.step, loss=record["loss"], tokens_per_s=record["tokens_per_s"])
+                if heartbeat is not None:
+                    heartbeat.emit(step=out.step, loss=record["loss"], tokens_per_s=record["tokens_per_s"],
+                                   epoch=record["epoch"])
+            if watchdog is not None:
+                watchdog.beat()
+
+        pending = None  # the previous step, logged once this one is dispatched
         for epoch, index, batch in trainer.epochs():
             if trainer.state.step >= trainer.total_steps:
                 break
-            host = trainer.train_step(batch)
+            out = trainer.train_step(batch)
             trainer.state.epoch, trainer.state.batch_in_epoch = epoch, index + 1
             trainer.xla.after_step(batch, trainer.state.step)
             now = time.monotonic()
             tokens = batch["query_ids"].numel() + batch["doc_ids"].numel()
-            record = {"step": trainer.state.step, "epoch": epoch, "lr": trainer.scheduler.get_last_lr()[0],
+            record = {"step": out.step, "epoch": epoch, "lr": out.lr,
                       "tokens_per_s": tokens * world.world_size / max(now - last, 1e-9),
-                      "step_s": now - last, "elapsed_s": now - t_start, **host}
+                      "step_s": now - last, "elapsed_s": now - t_start}
             last = now
-            if world.is_main:
-                append_jsonl(metrics_path, record)
-                bar.update(trainer.state.step, loss=host["loss"], tokens_per_s=record["tokens_per_s"])
-                if heartbeat is not None:
-                    heartbeat.emit(step=trainer.state.step, loss=host["loss"], tokens_per_s=record["tokens_per_s"],
-                                   epoch=epoch)
-            if watchdog is not None:
-                watchdog.beat()
+            # The previous step's graph has run (or is about to): reading it does not stall this one.
+            if pending is not None:
+                log_step(*pending)
+            pending = (out, record)
             if trainer.state.step % cfg.checkpoint_every == 0 or trainer.state.step == trainer.total_steps:
+                log_step(*pending)  # never checkpoint past a loss nobody has checked
+                pending = None
                 trainer.save_checkpoint()
+        if pending is not None:
+            log_step(*pending)
     if _latest_step(trainer.run_dir) != trainer.state.step:
         trainer.save_checkpoint()
     # Graph accounting before the holdout pass below (its forward graphs are traced by `compile`

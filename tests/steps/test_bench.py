@@ -8,16 +8,19 @@ from pathlib import Path
 
 from torch import nn
 
-from pipeline_steps.bench import Shape, matmul_params, train_step_flops
+import numpy as np
+
+from pipeline_steps.bench import Shape, embed_flops, matmul_params, train_step_flops
 from pipeline_steps.config import get_preset
 from pipeline_steps.fileio import read_json
 from pipeline_steps.model import TextEncoder
 
 from .conftest import run_cli
 
-DOCUMENTED_KEYS = {"train_ratio_vs_peer", "embed_ratio_vs_peer", "loader_headroom", "compiles_after_warmup",
-                   "graphs_compiled", "mfu_vs_ceiling", "mfu_vs_ceiling_by_preset", "checkpoint_save_s_per_gb",
-                   "checkpoint_load_s_per_gb", "machine"}
+DOCUMENTED_KEYS = {"train_ratio_vs_peer", "embed_ratio_vs_peer", "embed_mfu_vs_ceiling", "embed_by_preset",
+                   "loader_headroom", "compiles_after_warmup", "graphs_compiled", "mfu_vs_ceiling",
+                   "mfu_vs_ceiling_by_preset", "checkpoint_save_s_per_gb", "checkpoint_load_s_per_gb", "machine",
+                   "xla_train_ratio_vs_peer", "xla_host_s_per_step", "xla_tokens_per_s"}
 
 
 def test_quick_tiny_bench_writes_every_documented_key(tmp_path: Path) -> None:
@@ -27,11 +30,14 @@ def test_quick_tiny_bench_writes_every_documented_key(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     report = read_json(out)
     assert DOCUMENTED_KEYS <= set(report)
-    for key in ("train_ratio_vs_peer", "embed_ratio_vs_peer", "loader_headroom", "mfu_vs_ceiling",
-                "checkpoint_save_s_per_gb", "checkpoint_load_s_per_gb"):
+    for key in ("train_ratio_vs_peer", "embed_ratio_vs_peer", "embed_mfu_vs_ceiling", "loader_headroom",
+                "mfu_vs_ceiling", "checkpoint_save_s_per_gb", "checkpoint_load_s_per_gb"):
         assert isinstance(report[key], float) and math.isfinite(report[key]) and report[key] > 0, key
     assert set(report["mfu_vs_ceiling_by_preset"]) == {"tiny"}
     assert report["compiles_after_warmup"] is None  # no xla backend asked for
+    assert report["xla_train_ratio_vs_peer"] is report["xla_host_s_per_step"] is None
+    assert set(report["embed_by_preset"]) == {"tiny"}
+    assert set(report["embed_by_preset"]["tiny"]["backends"]) == {"cpu"}
     assert {"cpu", "logical_cpus", "torch_threads", "torch"} <= set(report["machine"])
     assert "ratio vs peer" in result.stdout  # the table
     assert list(tmp_path.glob("bench-*")) == []  # temporary run dirs removed
@@ -46,3 +52,10 @@ def test_flop_formula_counts_every_encoder_matmul_weight() -> None:
     dense = 6 * linear_weights * 4 * (8 + 16)
     attention = 12 * cfg.num_layers * cfg.hidden_size * 4 * (8**2 + 16**2)
     assert train_step_flops(cfg, shape, heads=False) == dense + attention
+
+
+def test_embed_flops_count_real_tokens_only() -> None:
+    cfg = get_preset("tiny").model
+    lengths = np.array([3, 7])
+    per_text = [2 * matmul_params(cfg) * n + 4 * cfg.num_layers * cfg.hidden_size * n**2 for n in lengths]
+    assert embed_flops(cfg, lengths) == sum(per_text)

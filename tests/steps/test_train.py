@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -134,7 +135,84 @@ def test_incremental_training_refuses_a_different_tokenizer(tiny_run: Path, tmp_
     assert "--init-from" in result.stderr
 
 
-def test_non_finite_loss_stops_before_the_update_with_its_exit_code(tiny_run: Path) -> None:
-    result = run_cli(*TRAIN, "--run-dir", tiny_run, "--backend", "cpu", "--lr", "1e12", "--max-steps", "30")
+@pytest.mark.parametrize("backend", ["cpu", "xla"])
+def test_non_finite_loss_stops_before_the_update_with_its_exit_code(tiny_run: Path, backend: str) -> None:
+    result = run_cli(*TRAIN, "--run-dir", tiny_run, "--backend", backend, "--lr", "1e12", "--max-steps", "30")
     assert result.returncode == ExitCode.NON_FINITE_LOSS, result.stderr[-3000:]
-    assert "stopped before the optimizer step" in result.stderr
+    assert re.search(r"loss is (nan|inf|-inf) at step \d+ .*stopped before the optimizer step", result.stderr)
+
+
+# Runs in its own process: torch_xla stays out of the test process.
+XLA_STEP_SCRIPT = """
+import json, sys
+from pathlib import Path
+from pipeline_steps import distributed as dist_lib
+from pipeline_steps.config import get_preset
+from pipeline_steps.errors import NonFiniteLossError
+from pipeline_steps.train import Trainer
+
+world = dist_lib.init("xla")
+trainer = Trainer(Path(sys.argv[1]), "tiny", get_preset("tiny").train, world)
+host_batch = next(iter(trainer.batches.epoch(0)))
+poisoned = {**host_batch, "weight": host_batch["weight"] * float("nan")}
+batch, bad_batch = dist_lib.device_batches(world, [host_batch, poisoned])
+trainer.train_step(batch)  # compiles
+trainer.train_step(batch)
+reads = dist_lib.host_transfers(world)
+for _ in range(3):
+    trainer.train_step(batch)
+reads_in_steps = dist_lib.host_transfers(world) - reads
+
+weights = lambda: dist_lib.to_cpu(dist_lib.unwrap(trainer.model).state_dict())
+before = weights()
+bad = trainer.train_step(bad_batch)
+trainer.train_step(batch)  # dispatched before anyone read the bad step's loss
+try:
+    trainer.checked_values(bad)
+    error = None
+except NonFiniteLossError as exc:
+    error = str(exc)
+after = weights()
+print(json.dumps({"reads_in_steps": reads_in_steps, "error": error,
+                  "unchanged": [k for k in before if before[k].equal(after[k])], "names": list(before)}))
+"""
+
+
+def run_xla_step_script(run_dir: Path) -> dict:
+    result = subprocess.run([sys.executable, "-c", XLA_STEP_SCRIPT, str(run_dir)], env=cli_env(), cwd=REPO,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def xla_steps(tiny_prepared: Path, tmp_path_factory) -> dict:
+    run_dir = tmp_path_factory.mktemp("xla-steps") / "run"
+    shutil.copytree(tiny_prepared, run_dir)
+    return run_xla_step_script(run_dir)
+
+
+def test_xla_train_step_reads_nothing_on_the_host(xla_steps: dict) -> None:
+    # A host read inside the step would stall tracing of step N+1 until step N ran on the device.
+    assert xla_steps["reads_in_steps"] == 0
+
+
+def test_xla_non_finite_loss_is_never_applied_even_to_steps_dispatched_after_it(xla_steps: dict) -> None:
+    assert xla_steps["error"] is not None and "at step 6 " in xla_steps["error"], xla_steps["error"]
+    assert xla_steps["unchanged"] == xla_steps["names"]
+
+
+def test_explicit_gradient_all_reduce_clips_the_averaged_gradients_like_ddp(tiny_run: Path, tmp_path: Path) -> None:
+    # PIPELINE_GRAD_REDUCE=allreduce runs the XLA path's order on gloo: backward, all-reduce average,
+    # clip, step. Clipping each worker's own gradients before averaging would end elsewhere than DDP.
+    explicit = tmp_path / "explicit"
+    shutil.copytree(tiny_run, explicit)
+    steps = ("--backend", "cpu", "--max-steps", "6")
+    ddp = run_cli(*TRAIN, "--run-dir", tiny_run, *steps, torchrun=2)
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    allreduce = run_cli(*TRAIN, "--run-dir", explicit, *steps, torchrun=2,
+                        env=cli_env(PIPELINE_GRAD_REDUCE="allreduce"))
+    assert allreduce.returncode == 0, allreduce.stderr[-3000:]
+    expected, actual = final_weights(tiny_run), final_weights(explicit)
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-4, atol=1e-5, msg=name)
