@@ -35,23 +35,23 @@ def first_checkpoint_written(fsx_root: Path, parameters: dict[str, str]) -> bool
     return any((fsx_root / "runs" / parameters["run_id"] / "checkpoints").glob("step-*.json"))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def e2e_stage() -> Stage:
     return synthesize(PRESET)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def e2e_world(tmp_path_factory, e2e_stage):
     with E2EWorld(tmp_path_factory.mktemp("e2e"), preset=PRESET, stage=e2e_stage) as world:
         yield world
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def demo_data(tmp_path_factory) -> Path:
     return write_demo(tmp_path_factory.mktemp("upload") / "v1", PRESET)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def first_run(e2e_world, demo_data) -> RunResult:
     e2e_world.batch.faults.append(Fault("train", attempt=1, node_index=KILLED_NODE, ready=first_checkpoint_written))
     e2e_world.upload_dataset(DATASET, "v1", demo_data)
@@ -87,7 +87,7 @@ class RejectedRun:
     pointer_before: dict  # models/current.json before the upload
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def rejected_run(e2e_world, first_run, demo_data, tmp_path_factory) -> RejectedRun:
     pointer_before = e2e_world.read_json("artifacts_bucket", "models/current.json")
     data = mismatched_pairs(demo_data, tmp_path_factory.mktemp("upload") / "v2")

@@ -135,7 +135,7 @@ def test_compile_and_train_get_identical_commands_compiler_flags_and_cache(first
     assert compile_env["NEURON_COMPILE_CACHE_URL_BASE"] == train_env["NEURON_COMPILE_CACHE_URL_BASE"]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def explicit_init_run(e2e_world, rejected_run):
     """A manual run of the v1 data with init_from = the published model, given in the input."""
     e2e_world.sfn.start_execution(stateMachineArn=e2e_world.pipeline_arn, name=f"{DATASET}-v1-incremental",
