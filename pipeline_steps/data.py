@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import unicodedata
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 import numpy as np
+import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
@@ -53,10 +55,30 @@ NUMERIC_CLIP = 10.0
 price cannot saturate the fusion MLP."""
 PREPARED = "prepared"
 
+log = logging.getLogger("pipeline_steps.data")
+
 
 # ---------------------------------------------------------------------------------------------
 # Reading records
 # ---------------------------------------------------------------------------------------------
+
+QUARANTINE_REASONS: dict[str, str] = {
+    "invalid UTF-8": "a line that is not valid UTF-8 (each line is decoded on its own)",
+    "invalid Unicode": "a lone surrogate escape such as \\ud800, which no UTF-8 text can hold",
+    "malformed JSON": "a truncated or broken line",
+    "number out of range": "a number too large for a 64-bit float, such as 1e400",
+    "nesting too deep": "arrays or objects nested deeper than 1024 levels",
+    "missing field": "no title, no query, ...",
+    "wrong type": "\"title\": 42, or a line that is not a JSON object",
+    "empty text": "a title/query/id that is empty or only whitespace",
+    "text too long": "a field longer than max_text_chars characters",
+    "non-finite number": "NaN / Infinity in numeric or weight",
+    "non-positive weight": "weight <= 0",
+    "duplicate product id": "a second product with an id seen before (the first one is kept)",
+    "unknown product_id": "a pair whose product is missing from the catalog or was quarantined",
+}
+"""Every reason a record can be quarantined for (docs/data.md lists the same table)."""
+
 
 @dataclass(frozen=True)
 class RawRecord:
@@ -66,39 +88,104 @@ class RawRecord:
     line: int
     """1-based line number (JSON Lines) or row number (Parquet) in `source`."""
     value: dict[str, Any] | None
-    raw: str | None = None
-    """The line as text (JSON Lines); None for Parquet rows (rebuilt from `value` when needed)."""
+    raw: bytes | None = None
+    """The line as read (JSON Lines); None for Parquet rows (rebuilt from `value` when needed)."""
     reason: str | None = None
     detail: str | None = None
 
     def raw_text(self) -> str:
         if self.raw is not None:
-            return self.raw
+            return self.raw.decode("utf-8", "backslashreplace")
         return json.dumps(self.value, sort_keys=True, default=str)
 
 
+def _sniff_format(path: Path) -> str | None:
+    """"parquet" or "jsonl" for a file whose name does not say, judged by its content (Parquet's
+    magic bytes, or a first non-blank line that is a JSON object); None when it is neither."""
+    with open(path, "rb") as fh:
+        head = fh.read(4)
+        if head == b"PAR1":
+            return "parquet"
+        fh.seek(0)
+        for line in fh:
+            if line.strip():
+                try:
+                    return "jsonl" if isinstance(orjson.loads(line), dict) else None
+                except orjson.JSONDecodeError:
+                    return None
+    return None
+
+
+def input_format(path: Path) -> str:
+    """"parquet" or "jsonl": by suffix, else by content; BadInputError naming the file otherwise."""
+    if path.suffix == ".parquet":
+        return "parquet"
+    if path.suffix in (".jsonl", ".ndjson"):
+        return "jsonl"
+    found = _sniff_format(path)
+    if found is None:
+        raise BadInputError(f"input file {path} is neither JSON Lines nor Parquet (prepare reads "
+                            f"{', '.join(INPUT_SUFFIXES)}, and JSON Lines under any other name); convert it "
+                            f"(decompress .gz, one JSON object per line) or remove it from the upload")
+    return found
+
+
 def list_input_files(path: str | Path) -> list[Path]:
-    """The input files at `path` (a file, or a directory read recursively), sorted."""
+    """The input files at `path` (a file, or a directory read recursively), sorted. A file with
+    another suffix is read when its content is JSON Lines or Parquet, else it is an error."""
     p = Path(path)
     if not p.exists():
         raise BadInputError(f"input path {p} does not exist; check the path (on AWS: the upload's "
                             f"prefix under /fsx/data/incoming/)")
     if p.is_file():
-        if p.suffix not in INPUT_SUFFIXES:
-            raise BadInputError(f"input file {p} is not JSON Lines or Parquet; expected one of "
-                                f"{', '.join(INPUT_SUFFIXES)}")
+        input_format(p)
         return [p]
-    files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in INPUT_SUFFIXES
+    files = sorted(f for f in p.rglob("*") if f.is_file()
                    and not any(part.startswith((".", "_")) for part in f.relative_to(p).parts))
     if not files:
         raise BadInputError(f"input directory {p} is empty: no {', '.join(INPUT_SUFFIXES)} files in it "
                             f"(or below); upload the shards first")
+    for f in files:
+        input_format(f)  # fail before any work when one file of the upload is unreadable
     return files
+
+
+def _quarantined_line(source: str, line_no: int, data: bytes, error: Exception) -> RawRecord:
+    """The RawRecord of a line the fast parser rejected, with the most precise reason."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return RawRecord(source, line_no, None, data, "invalid UTF-8", f"byte {exc.start}: {exc.reason}")
+    message = str(error)
+    for marker, reason in (("surrogate", "invalid Unicode"), ("depth limit", "nesting too deep"),
+                           ("infinity when parsed", "number out of range")):
+        if marker in message:
+            return RawRecord(source, line_no, None, data, reason, message)
+    # orjson follows RFC 8259; Python's parser also reads NaN / Infinity, so such a record gets
+    # the validator's more useful reason ("non-finite number") instead of "malformed JSON".
+    try:
+        value = json.loads(text)
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return RawRecord(source, line_no, None, data, "invalid Unicode",
+                         f"{exc.reason}: {exc.object[exc.start:exc.end]!r}")
+    except (ValueError, RecursionError):
+        return RawRecord(source, line_no, None, data, "malformed JSON", message)
+    return _parsed(source, line_no, data, value)
+
+
+def _parsed(source: str, line_no: int, data: bytes, value: Any) -> RawRecord:
+    if not isinstance(value, dict):
+        return RawRecord(source, line_no, None, data, "wrong type",
+                         f"a record must be a JSON object, got {type(value).__name__}")
+    return RawRecord(source, line_no, value, data)
 
 
 def _iter_jsonl(path: Path) -> Iterator[RawRecord]:
     source = str(path)
-    # Binary mode and a per-line decode: one bad byte quarantines one line, not the whole file.
+    if path.stat().st_size == 0:
+        log.warning("input file %s is empty (0 bytes): it adds no records", path)
+    # Binary mode and a per-line parse: one bad byte quarantines one line, not the whole file.
     with open(path, "rb") as fh:
         for line_no, data in enumerate(fh, start=1):
             data = data.rstrip(b"\r\n")
@@ -107,21 +194,11 @@ def _iter_jsonl(path: Path) -> Iterator[RawRecord]:
             if not data.strip():
                 continue  # blank lines separate nothing and hold no record
             try:
-                text = data.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                yield RawRecord(source, line_no, None, data.decode("utf-8", "backslashreplace"),
-                                "invalid UTF-8", f"byte {exc.start}: {exc.reason}")
+                value = orjson.loads(data)  # validates UTF-8 and rejects lone surrogates itself
+            except orjson.JSONDecodeError as exc:
+                yield _quarantined_line(source, line_no, data, exc)
                 continue
-            try:
-                value = json.loads(text)
-            except json.JSONDecodeError as exc:
-                yield RawRecord(source, line_no, None, text, "malformed JSON", str(exc))
-                continue
-            if not isinstance(value, dict):
-                yield RawRecord(source, line_no, None, text, "wrong type",
-                                f"a record must be a JSON object, got {type(value).__name__}")
-                continue
-            yield RawRecord(source, line_no, value, text)
+            yield _parsed(source, line_no, data, value)
 
 
 def _iter_parquet(path: Path) -> Iterator[RawRecord]:
@@ -146,7 +223,7 @@ def _iter_parquet(path: Path) -> Iterator[RawRecord]:
 def iter_records(files: Iterable[Path]) -> Iterator[RawRecord]:
     """Every non-blank line / row of `files`, in order, parsed where possible."""
     for path in files:
-        yield from (_iter_parquet(path) if path.suffix == ".parquet" else _iter_jsonl(path))
+        yield from (_iter_parquet(path) if input_format(path) == "parquet" else _iter_jsonl(path))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,6 +269,19 @@ class PairRecord:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _finite_float(value: Any, name: str) -> float:
+    """`value` (a JSON/Parquet number) as a finite float, or RecordError saying why not."""
+    if not _is_number(value):
+        raise RecordError("wrong type", f"{name} must be a number, got {type(value).__name__}")
+    try:
+        number = float(value)  # Python ints are unbounded: 10**400 has no float
+    except OverflowError:
+        raise RecordError("number out of range", f"{name} does not fit a 64-bit float") from None
+    if not math.isfinite(number):
+        raise RecordError("non-finite number", f"{name} is {number}")
+    return number
 
 
 def _text(record: dict, name: str, max_chars: int, *, required: bool) -> str | None:
@@ -249,11 +339,7 @@ def _numeric_features(record: dict) -> dict[str, float]:
     for key, value in _mapping(record, "numeric").items():
         if value is None:
             continue
-        if not _is_number(value):
-            raise RecordError("wrong type", f"numeric.{key} must be a number, got {type(value).__name__}")
-        if not math.isfinite(value):
-            raise RecordError("non-finite number", f"numeric.{key} is {value}")
-        features[key] = float(value)
+        features[key] = _finite_float(value, f"numeric.{key}")
     return features
 
 
@@ -263,7 +349,9 @@ def _categorical_features(record: dict) -> dict[str, str]:
         if value is None:
             continue
         # Integer codes are common in exported catalogs; they are category names, not quantities.
-        if _is_number(value) and float(value).is_integer():
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)
+        elif isinstance(value, float) and value.is_integer():
             value = str(int(value))
         if not isinstance(value, str):
             raise RecordError("wrong type", f"categorical.{key} must be a string, got {type(value).__name__}")
@@ -291,11 +379,8 @@ def validate_pair(record: dict, max_chars: int, source: str = "", line: int = 0)
     weight = record.get("weight")
     if weight is None:
         weight = 1.0
-    elif not _is_number(weight):
-        raise RecordError("wrong type", f"weight must be a number, got {type(weight).__name__}")
-    elif not math.isfinite(weight):
-        raise RecordError("non-finite number", f"weight is {weight}")
-    elif weight <= 0:
+    weight = _finite_float(weight, "weight")
+    if weight <= 0:
         raise RecordError("non-positive weight", f"weight must be > 0, got {weight}")
     return PairRecord(
         query=_text(record, "query", max_chars, required=True),

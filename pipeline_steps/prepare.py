@@ -169,11 +169,17 @@ def _counts(kind: str, num_read: int, quarantine: Quarantine) -> dict[str, Any]:
             "reasons": dict(sorted(quarantine.reasons[kind].items()))}
 
 
-def check_threshold(counts: dict[str, dict[str, Any]], max_bad_fraction: float, quarantine_path: Path) -> None:
+def _names(files: Sequence[Path], limit: int = 5) -> str:
+    shown = ", ".join(str(f) for f in files[:limit])
+    return shown + (f" and {len(files) - limit} more" if len(files) > limit else "")
+
+
+def check_threshold(counts: dict[str, dict[str, Any]], max_bad_fraction: float, quarantine_path: Path,
+                    files: dict[str, Sequence[Path]]) -> None:
     for kind, c in counts.items():
         if c["read"] == 0:
-            raise BadInputError(f"the {kind} input holds no records (only blank lines or empty files); "
-                                f"upload non-empty {kind} shards")
+            raise BadInputError(f"the {kind} input holds no records: {_names(files[kind])} "
+                                f"(only blank lines or empty files); upload non-empty {kind} shards")
         if c["fraction_bad"] > max_bad_fraction:
             reasons = ", ".join(f"{r}: {n}" for r, n in c["reasons"].items())
             raise BadInputError(
@@ -295,7 +301,7 @@ def validate_inputs(product_files: Sequence[Path], pair_files: Sequence[Path], c
     report.update(counts=counts, quarantine_file=str(quarantine_path), max_bad_fraction=cfg.max_bad_fraction)
     for kind, c in counts.items():
         log.info("%s: read %d, good %d, quarantined %d %s", kind, c["read"], c["good"], c["quarantined"], c["reasons"])
-    check_threshold(counts, cfg.max_bad_fraction, quarantine_path)
+    check_threshold(counts, cfg.max_bad_fraction, quarantine_path, {"products": product_files, "pairs": pair_files})
     return products, pairs
 
 
