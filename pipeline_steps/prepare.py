@@ -41,7 +41,7 @@ import numpy as np
 from . import data as D
 from .config import DataConfig, get_preset, to_dict
 from .errors import BadConfigError, BadInputError, StepError
-from . import tracking
+from . import tracking, upload
 from .fileio import atomic_write_bytes, atomic_write_json, sha256_file
 
 log = logging.getLogger("pipeline_steps.prepare")
@@ -103,6 +103,7 @@ def resolve_inputs(args: argparse.Namespace, run_dir: Path, seed: int) -> tuple[
         log.info("wrote the %s demo data to %s", args.preset, out)
         return _data_dir_inputs(out)
     if args.data is not None:
+        upload.wait_for_upload(args.data, args.upload_timeout)
         return _data_dir_inputs(args.data)
     return D.list_input_files(args.products), D.list_input_files(args.pairs)
 
@@ -282,6 +283,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="previous run dir or checkpoint .pt: reuse its tokenizer + schema")
     parser.add_argument("--max-bad-fraction", type=float, help="override the preset's quarantine threshold")
     parser.add_argument("--seed", type=int, default=0, help="holdout split (and demo data) seed")
+    parser.add_argument("--upload-timeout", type=float, default=0.0, metavar="SECONDS",
+                        help="with --data on FSx: wait up to this long for every file of the upload (listed in "
+                             "its _SUCCESS manifest) to be imported, then exit 75 (retryable); 0 = local data")
     args = parser.parse_args(argv)
     if (args.products is None) != (args.pairs is None):
         parser.error("--products and --pairs go together (and not with --data/--demo)")
@@ -360,12 +364,16 @@ def main(argv: list[str] | None = None) -> int:
     cfg = preset.data
     if args.max_bad_fraction is not None:
         cfg = dataclasses.replace(cfg, max_bad_fraction=args.max_bad_fraction)  # validated (BadConfigError)
+    if args.upload_timeout < 0:
+        raise BadConfigError(f"--upload-timeout must be >= 0 seconds, got {args.upload_timeout}")
     out = args.run_dir / D.PREPARED
     out.mkdir(parents=True, exist_ok=True)
     (out / "prepare.json").unlink(missing_ok=True)  # invalidate first: a crash below leaves no "ok" marker
 
     product_files, pair_files = resolve_inputs(args, args.run_dir, args.seed)
     inputs = {"products": _input_checksums(product_files), "pairs": _input_checksums(pair_files)}
+    if args.data is not None:
+        upload.check_checksums(args.data, {i["path"]: i["sha256"] for kind in inputs.values() for i in kind})
     report: dict[str, Any] = {
         "status": "failed", "preset": preset.name, "seed": args.seed, "data_config": to_dict(cfg), "inputs": inputs,
         "input_sha256": _sha256_bytes(json.dumps(inputs, sort_keys=True).encode()),

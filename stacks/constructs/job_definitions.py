@@ -53,9 +53,16 @@ MULTI_NODE_STEPS: Mapping[str, tuple[list[str], dict[str, str]]] = {
         {"preset": "base", "init_from": "", "max_steps": ""},
     ),
 }
+PREPARE_UPLOAD_TIMEOUT_S = 1800
+"""How long prepare waits for FSx for Lustre to import every file of an upload before it exits 75
+(retried by Batch): automatic import from S3 is asynchronous, so the `_SUCCESS` event can arrive
+before the upload is visible on /fsx
+(https://docs.aws.amazon.com/fsx/latest/LustreGuide/autoimport-data-repo-dra.html)."""
+
 SINGLE_NODE_STEPS: Mapping[str, tuple[list[str], dict[str, str]]] = {
     "prepare": (
-        ["prepare", "--run-dir", RUN_DIR, "--data", "Ref::data_uri", "--preset", "Ref::preset", "--init-from", "Ref::init_from"],
+        ["prepare", "--run-dir", RUN_DIR, "--data", "Ref::data_uri", "--preset", "Ref::preset", "--init-from", "Ref::init_from",
+         "--upload-timeout", str(PREPARE_UPLOAD_TIMEOUT_S)],
         {"preset": "base", "init_from": ""},
     ),
     "validate": (
