@@ -262,3 +262,20 @@ def test_init_from_a_run_without_prepared_data_is_a_clear_error(tmp_path, caplog
     (tmp_path / "old").mkdir()
     assert _prepare(tmp_path / "run", "--demo", "--init-from", str(tmp_path / "old")) == 65
     assert "tokenizer.json" in caplog.text and "checkpoint" in caplog.text
+
+
+def test_pairs_are_streamed_in_chunks_without_changing_the_result(tmp_path, monkeypatch):
+    """Memory holds one chunk of pairs at a time (one Parquet row group per chunk and side); the
+    chunk size changes nothing in what is prepared."""
+    from pipeline_steps import prepare
+
+    assert _prepare(tmp_path / "whole", "--demo") == 0
+    monkeypatch.setattr(prepare, "PAIR_CHUNK", 50)
+    assert _prepare(tmp_path / "chunked", "--demo") == 0
+    for name in ("train_pairs.parquet", "holdout_pairs.parquet"):
+        chunked = pq.ParquetFile(tmp_path / "chunked" / "prepared" / name)
+        assert max(chunked.metadata.row_group(i).num_rows for i in range(chunked.num_row_groups)) <= 50
+        assert chunked.read().equals(pq.read_table(tmp_path / "whole" / "prepared" / name))
+    for name in ("tokenizer.json", "schema.json", "products.parquet", "quarantine.jsonl"):
+        assert (tmp_path / "chunked" / "prepared" / name).read_bytes() == (tmp_path / "whole" / "prepared" / name).read_bytes()
+    assert not (tmp_path / "chunked" / "prepared" / "_work").exists()

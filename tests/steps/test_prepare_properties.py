@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
@@ -52,7 +53,7 @@ def _num_records(raw_lines: list[bytes]) -> int:
     return sum(1 for line in file_lines if line.strip())
 
 
-def _read(kind: str, raw_lines: list[bytes], product_ids: set[str]):
+def _read(kind: str, raw_lines: list[bytes], product_rows: dict[str, int]):
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"{kind}.jsonl"
         path.write_bytes(b"\n".join(raw_lines) + b"\n")
@@ -60,7 +61,10 @@ def _read(kind: str, raw_lines: list[bytes], product_ids: set[str]):
         if kind == "products":
             kept, num_read = P.read_products([path], CFG, quarantine)
         else:
-            kept, num_read = P.read_pairs([path], CFG, product_ids, quarantine)
+            counter = Counter()
+            kept = [q for chunk in P.iter_pair_chunks([path], CFG, product_rows, quarantine, counter, chunk_size=4)
+                    for q in chunk.queries]
+            num_read = counter["pairs"]
     return kept, num_read, quarantine
 
 
@@ -79,7 +83,7 @@ SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[Heal
 @SETTINGS
 @given(lines(product_like))
 def test_any_product_line_is_kept_or_quarantined_with_a_documented_reason(raw_lines):
-    kept, num_read, quarantine = _read("products", raw_lines, set())
+    kept, num_read, quarantine = _read("products", raw_lines, {})
     _check_accounting("products", raw_lines, kept, num_read, quarantine)
     # What was kept goes through the rest of prepare without an exception.
     schema = D.Schema.fit(kept)
@@ -91,10 +95,10 @@ def test_any_product_line_is_kept_or_quarantined_with_a_documented_reason(raw_li
 @SETTINGS
 @given(lines(pair_like))
 def test_any_pair_line_is_kept_or_quarantined_with_a_documented_reason(raw_lines):
-    kept, num_read, quarantine = _read("pairs", raw_lines, {"P1", "P2"})
-    _check_accounting("pairs", raw_lines, kept, num_read, quarantine)
-    D.holdout_mask([p.query for p in kept], CFG.holdout_fraction, seed=0)
-    D.encode_texts(TOKENIZER, [p.query for p in kept], CFG.query_length)
+    queries, num_read, quarantine = _read("pairs", raw_lines, {"P1": 0, "P2": 1})
+    _check_accounting("pairs", raw_lines, queries, num_read, quarantine)
+    D.holdout_mask(queries, CFG.holdout_fraction, seed=0)
+    D.encode_texts(TOKENIZER, queries, CFG.query_length)
 
 
 def test_the_documented_reasons_are_the_reasons_prepare_uses():
