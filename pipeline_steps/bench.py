@@ -13,7 +13,7 @@ Measures, in one process, against a well-known peer and against this machine's o
   checkpoint  checkpoint.save / checkpoint.load seconds per GB on a base-size state (model + AdamW).
   prepare   `prepare` of a generated 1M-record JSON Lines upload in its own process: records/s and
             peak RSS (prepare_records_per_s, prepare_peak_rss_mb), and the RSS one training rank adds
-            by loading that prepared data (train_data_rss_mb_per_rank).
+            privately by loading that prepared data (train_data_rss_mb_per_rank).
 
 Method: warm-up first; then `repeats` rounds in which ours and the peer (and the GEMM ceiling) run
 back to back, in alternating order; every ratio is taken within a round and the median over rounds
@@ -477,13 +477,15 @@ def bench_prepare(work: Path, num_records: int, preset: str) -> dict[str, Any]:
 
 
 def _rank_data_rss(run_dir: Path) -> int:
-    """Bytes of RSS one training rank adds by loading the prepared data and cutting a batch (a
-    fresh process; measured after torch is imported, so the libraries are not counted)."""
+    """Bytes of private (anonymous) RSS one training rank adds by loading the prepared data and
+    cutting a batch: what every rank of a node pays again. Pages of memory-mapped files are shared
+    by the ranks through the page cache and not counted. A fresh process, measured after torch is
+    imported, so the libraries are not counted either."""
     import subprocess
     import sys
 
     probe = ("import sys, torch; from pipeline_steps import data as D\n"
-             "rss = lambda: int(open('/proc/self/statm').read().split()[1]) * 4096\n"
+             "rss = lambda: next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('RssAnon'))\n"
              "before = rss(); d = D.load_prepared(sys.argv[1])\n"
              "next(D.TrainBatches(d, d.data_cfg.batch_size, rank=0, world_size=1, seed=0).epoch(0))\n"
              "print(rss() - before)")

@@ -12,7 +12,8 @@ whose name starts with "products" (e.g. DIR/products/part-*.jsonl) and with "pai
 
 Prepared data (what `prepare` writes under RUN_DIR/prepared/ and `load_prepared` reads):
     tokenizer.json, schema.json, products.parquet, train_pairs.parquet, holdout_pairs.parquet,
-    quarantine.jsonl, prepare.json (written last: its status "ok" marks a complete set).
+    <side>_pairs.<column>.npy (the pair columns training memory-maps), quarantine.jsonl,
+    prepare.json (written last: its status "ok" marks a complete set).
 
 Batches: `TrainBatches` (training: bucketed, static shapes, sharded per rank, seeded order) and
 `text_batches` (inference: every row once, sorted by length). Both index pre-tokenised numpy
@@ -668,7 +669,45 @@ class Pairs:
     class_id: np.ndarray  # int64 [M], IGNORE_INDEX = none
 
     def __len__(self) -> int:
-        return len(self.queries)
+        return len(self.product_index)
+
+
+PAIR_ARRAYS = ("token_ids", "lengths", "product_index", "weight", "class_id")
+"""The pair columns training reads; `prepare` also stores each as RUN_DIR/prepared/<side>_pairs.<name>.npy,
+which every rank memory-maps: the ranks of a node share one copy in the page cache instead of
+each holding its own."""
+
+
+def pair_array_path(prepared: Path, side: str, name: str) -> Path:
+    return prepared / f"{side}_pairs.{name}.npy"
+
+
+class ParquetStrings(Sequence[str]):
+    """A string column of a Parquet file, read on first use: training never reads the query
+    texts, so its ranks never hold them."""
+
+    def __init__(self, path: Path, column: str):
+        self._path, self._column = path, column
+        self._values: list[str] | None = None
+
+    def _load(self) -> list[str]:
+        if self._values is None:
+            self._values = pq.read_table(self._path, columns=[self._column]).column(self._column).to_pylist()
+        return self._values
+
+    def __len__(self) -> int:
+        return pq.ParquetFile(self._path).metadata.num_rows if self._values is None else len(self._values)
+
+    def __getitem__(self, index):
+        return self._load()[index]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._load())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None  # mutable-looking sequence semantics, like list
 
 
 @dataclass
@@ -769,6 +808,20 @@ def read_pairs(path: str | Path, data_cfg: DataConfig) -> Pairs:
     )
 
 
+def _load_pairs(prepared: Path, side: str, data_cfg: DataConfig) -> Pairs:
+    """The pairs of one side: memory-mapped .npy arrays when prepare wrote them, else from Parquet."""
+    parquet = prepared / f"{side}_pairs.parquet"
+    paths = {name: pair_array_path(prepared, side, name) for name in PAIR_ARRAYS}
+    if not all(path.is_file() for path in paths.values()):
+        return read_pairs(parquet, data_cfg)
+    arrays = {name: np.load(path, mmap_mode="r") for name, path in paths.items()}
+    rows = {a.shape[0] for a in arrays.values()}
+    if len(rows) != 1 or arrays["token_ids"].shape[1:] != (data_cfg.query_length,):
+        raise BadInputError(f"the {side} pair arrays in {prepared} do not match each other or the data config; "
+                            f"rerun prepare")
+    return Pairs(queries=ParquetStrings(parquet, "query"), **arrays)
+
+
 def load_prepared(run_dir: str | Path) -> PreparedData:
     """Everything `prepare` wrote for `run_dir`; BadInputError with the command to run if it hasn't."""
     prepared = Path(run_dir) / PREPARED
@@ -786,8 +839,8 @@ def load_prepared(run_dir: str | Path) -> PreparedData:
     products = read_products(prepared / "products.parquet", data_cfg, schema)
     return PreparedData(
         products=products,
-        train=read_pairs(prepared / "train_pairs.parquet", data_cfg),
-        holdout=read_pairs(prepared / "holdout_pairs.parquet", data_cfg),
+        train=_load_pairs(prepared, "train", data_cfg),
+        holdout=_load_pairs(prepared, "holdout", data_cfg),
         schema=schema,
         tokenizer_path=prepared / "tokenizer.json",
         data_cfg=data_cfg,

@@ -9,6 +9,7 @@ With `--init-from RUN_DIR_OR_CHECKPOINT`: the previous run's tokenizer and schem
 Writes RUN_DIR/prepared/ (each file atomically; prepare.json last, its status "ok" marks a
 complete set, and it is removed first so a crash never leaves an old "ok" beside new files):
     tokenizer.json, schema.json, products.parquet, train_pairs.parquet, holdout_pairs.parquet,
+    <side>_pairs.<column>.npy (the pair columns, memory-mapped by every training rank),
     quarantine.jsonl  {"kind", "source", "line", "reason", "detail", "record"} per bad record,
     prepare.json      counts per reason, fractions, input checksums, seed, data config.
 
@@ -281,6 +282,7 @@ class SpilledPairs:
 
     files: list[Path]
     num_read: int
+    num_valid: int
     num_train: int
     query_sample: list[str]
     """Distinct training queries (at most TOKENIZER_SAMPLE // 2) the tokenizer learns from."""
@@ -293,11 +295,12 @@ def spill_pairs(files: Sequence[Path], cfg: DataConfig, product_row: dict[str, i
     num_read: Counter = Counter()
     sample = D.TextSample(TOKENIZER_SAMPLE // 2)
     labels: set[str] = set()
-    spilled, num_train = [], 0
+    spilled, num_valid, num_train = [], 0, 0
     threshold = D.holdout_threshold(cfg.holdout_fraction)
     for i, chunk in enumerate(iter_pair_chunks(files, cfg, product_row, quarantine, num_read, PAIR_CHUNK)):
         keys = D.query_keys(chunk.queries, seed)
         holdout = keys < threshold
+        num_valid += len(chunk)
         num_train += int((~holdout).sum())
         sample.update(q for q, h in zip(chunk.queries, holdout) if not h)  # holdout queries stay unseen
         labels.update(label for label in chunk.labels if label)
@@ -308,7 +311,7 @@ def spill_pairs(files: Sequence[Path], cfg: DataConfig, product_row: dict[str, i
         with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table)
         spilled.append(path)
-    return SpilledPairs(spilled, num_read["pairs"], num_train, sample.texts(), labels)
+    return SpilledPairs(spilled, num_read["pairs"], num_valid, num_train, sample.texts(), labels)
 
 
 @dataclass
@@ -324,14 +327,17 @@ class PairStats:
 def write_pairs(spilled: SpilledPairs, tokenizer, schema: D.Schema, cfg: DataConfig, products: D.Products,
                 out: Path) -> PairStats:
     """Tokenise the spilled pairs chunk by chunk into train_pairs.parquet and holdout_pairs.parquet
-    (one row group per chunk and side), each written atomically."""
+    (one row group per chunk and side) and the arrays training memory-maps (<side>_pairs.<name>.npy),
+    each written atomically."""
     stats = PairStats()
     product_ids = pa.array(products.ids, pa.string())
     product_buckets = D.bucket_index(products.lengths, cfg.length_buckets)
+    num_rows = {"train": spilled.num_train, "holdout": spilled.num_valid - spilled.num_train}
     with contextlib.ExitStack() as stack:
         writers = {side: stack.enter_context(pq.ParquetWriter(stack.enter_context(atomic_path(out / f"{side}_pairs.parquet")),
                                                               D.PAIRS_SCHEMA))
                    for side in ("train", "holdout")}
+        arrays = {side: _pair_arrays(stack, out, side, num_rows[side], cfg.query_length) for side in num_rows}
         for path in spilled.files:
             with pa.memory_map(str(path)) as source:
                 table = pa.ipc.open_file(source).read_all()
@@ -342,6 +348,9 @@ def write_pairs(spilled: SpilledPairs, tokenizer, schema: D.Schema, cfg: DataCon
                 part = table.take(rows)
                 pairs = _tokenised_pairs(part, tokenizer, schema, cfg, products.class_id)
                 writers[side].write_table(D.pairs_table(part.column("query"), product_ids.take(pairs.product_index), pairs))
+                start = stats.num[side]
+                for name, array in arrays[side].items():
+                    array[start:start + len(rows)] = getattr(pairs, name)
                 stats.num[side] += len(rows)
                 stats.keys[side].append(part.column("key").to_numpy())
                 stats.at_max_length += int((pairs.lengths >= cfg.query_length).sum())
@@ -349,7 +358,24 @@ def write_pairs(spilled: SpilledPairs, tokenizer, schema: D.Schema, cfg: DataCon
                     stats.train_per_bucket.update(product_buckets[pairs.product_index].tolist())
         for writer in writers.values():
             writer.close()  # before atomic_path renames the file
+        for side_arrays in arrays.values():
+            for array in side_arrays.values():
+                array.flush()
     return stats
+
+
+PAIR_DTYPES = {"token_ids": np.int32, "lengths": np.int32, "product_index": np.int64, "weight": np.float32,
+               "class_id": np.int64}
+
+
+def _pair_arrays(stack: contextlib.ExitStack, out: Path, side: str, rows: int, query_length: int) -> dict[str, np.ndarray]:
+    """Writable memory maps of the .npy arrays of one side, renamed into place when `stack` closes."""
+    arrays = {}
+    for name in D.PAIR_ARRAYS:
+        shape = (rows, query_length) if name == "token_ids" else (rows,)
+        tmp = stack.enter_context(atomic_path(D.pair_array_path(out, side, name)))
+        arrays[name] = np.lib.format.open_memmap(tmp, mode="w+", dtype=PAIR_DTYPES[name], shape=shape)
+    return arrays
 
 
 def _tokenised_pairs(part: pa.Table, tokenizer, schema: D.Schema, cfg: DataConfig,
@@ -457,7 +483,8 @@ def write_outputs(out: Path, tokenizer_bytes: bytes, schema: D.Schema, products:
     D.save_products(out / "products.parquet", products)
 
 
-OUTPUT_NAMES = ("tokenizer.json", "schema.json", "products.parquet", "train_pairs.parquet", "holdout_pairs.parquet")
+OUTPUT_NAMES = ("tokenizer.json", "schema.json", "products.parquet", "train_pairs.parquet", "holdout_pairs.parquet",
+                *(D.pair_array_path(Path(), side, name).name for side in ("train", "holdout") for name in D.PAIR_ARRAYS))
 
 
 def summary(cfg: DataConfig, schema: D.Schema, products: D.Products, stats: PairStats) -> dict:

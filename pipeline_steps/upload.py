@@ -16,7 +16,6 @@ an empty `_SUCCESS`, the upload counts as complete once the marker is visible an
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import BadInputError, RetryableError
+from .fileio import sha256_file
 
 log = logging.getLogger("pipeline_steps.upload")
 
@@ -64,7 +64,7 @@ def manifest_for(upload_dir: Path) -> dict:
     files = sorted(f for f in upload_dir.rglob("*") if f.is_file()
                    and not any(part.startswith((".", "_")) for part in f.relative_to(upload_dir).parts))
     return {"files": [{"path": f.relative_to(upload_dir).as_posix(), "bytes": f.stat().st_size,
-                       "sha256": hashlib.sha256(f.read_bytes()).hexdigest()} for f in files]}
+                       "sha256": sha256_file(f)} for f in files]}
 
 
 def _listing(upload_dir: Path) -> dict[str, int]:

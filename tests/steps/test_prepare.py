@@ -198,7 +198,8 @@ def test_holdout_split_is_deterministic_and_shares_no_query_with_train(tmp_path)
     train_a, holdout_a = _split(tmp_path / "a")
     assert (train_a, holdout_a) == _split(tmp_path / "b")
     # A rerun (e.g. a Batch retry) reproduces every output, the tokenizer included.
-    for name in ("tokenizer.json", "products.parquet", "train_pairs.parquet", "holdout_pairs.parquet"):
+    for name in ("tokenizer.json", "products.parquet", "train_pairs.parquet", "holdout_pairs.parquet",
+                 "train_pairs.token_ids.npy", "holdout_pairs.token_ids.npy"):
         assert (tmp_path / "a" / "prepared" / name).read_bytes() == (tmp_path / "b" / "prepared" / name).read_bytes()
     assert holdout_a and not train_a & holdout_a
     fraction = len(holdout_a) / (len(train_a) + len(holdout_a))
@@ -276,6 +277,7 @@ def test_pairs_are_streamed_in_chunks_without_changing_the_result(tmp_path, monk
         chunked = pq.ParquetFile(tmp_path / "chunked" / "prepared" / name)
         assert max(chunked.metadata.row_group(i).num_rows for i in range(chunked.num_row_groups)) <= 50
         assert chunked.read().equals(pq.read_table(tmp_path / "whole" / "prepared" / name))
-    for name in ("tokenizer.json", "schema.json", "products.parquet", "quarantine.jsonl"):
+    arrays = [D.pair_array_path(Path(), side, column).name for side in ("train", "holdout") for column in D.PAIR_ARRAYS]
+    for name in ("tokenizer.json", "schema.json", "products.parquet", "quarantine.jsonl", *arrays):
         assert (tmp_path / "chunked" / "prepared" / name).read_bytes() == (tmp_path / "whole" / "prepared" / name).read_bytes()
     assert not (tmp_path / "chunked" / "prepared" / "_work").exists()
