@@ -14,6 +14,9 @@ Measures, in one process, against a well-known peer and against this machine's o
             same shape, same texts, same batch size = embed_ratio_vs_peer; every preset on every
             backend. embed mfu_vs_ceiling = FLOP/s on real (unpadded) tokens / the GEMM ceiling, same rounds.
   checkpoint  checkpoint.save / checkpoint.load seconds per GB on a base-size state (model + AdamW).
+  prepare   `prepare` of a generated 1M-record JSON Lines upload in its own process: records/s and
+            peak RSS (prepare_records_per_s, prepare_peak_rss_mb), and the RSS one training rank adds
+            privately by loading that prepared data (train_data_rss_mb_per_rank).
 
 Method: warm-up first; then `repeats` rounds in which ours and the peer (and the GEMM ceiling) run
 back to back, in alternating order; every ratio is taken within a round and the median over rounds
@@ -463,6 +466,82 @@ def bench_checkpoint(trainer, work: Path, *, repeats: int) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- orchestration
 
+# ---------------------------------------------------------------------------------------------
+# Data at scale: prepare throughput and peak memory, training data memory per rank
+# ---------------------------------------------------------------------------------------------
+
+PREPARE_RECORDS = 1_000_000
+"""Records (1 product : 4 pairs) of the generated JSON Lines dataset `prepare` is measured on."""
+
+
+def _run_measured(command: list[str]) -> tuple[float, float, int]:
+    """(wall s, CPU s, peak RSS bytes) of one child process (os.wait4: its own rusage only)."""
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                                      os.environ.get("PYTHONPATH")]))}
+    started = time.perf_counter()
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    stderr = proc.stderr.read()  # drained before waiting: a full pipe would block the child
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    proc.stderr.close()
+    wall = time.perf_counter() - started
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(command)} exited {proc.returncode}: {stderr.decode(errors='replace')[-2000:]}")
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024  # ru_maxrss is in KiB on Linux
+
+
+def _write_jsonl_upload(out: Path, num_records: int) -> int:
+    """The demo generator's catalog and pairs, num_records in all, as JSON Lines shards."""
+    import orjson
+
+    from .demo_data import generate
+
+    products, pairs = generate(max(num_records // 5, 10), 4, seed=0)
+    for kind, records in (("products", products), ("pairs", pairs)):
+        (out / kind).mkdir(parents=True)
+        shard = -(-len(records) // 4)
+        for i in range(4):
+            with open(out / kind / f"part-{i:05d}.jsonl", "wb") as fh:
+                fh.writelines(orjson.dumps(r) + b"\n" for r in records[i * shard:(i + 1) * shard])
+    return len(products) + len(pairs)
+
+
+def bench_prepare(work: Path, num_records: int, preset: str) -> dict[str, Any]:
+    """`prepare` of a generated JSON Lines upload in its own process: records/s and peak RSS; then
+    the RSS one training rank holds after loading that prepared data and its batches."""
+    import sys
+
+    upload_dir = work / "prepare-upload"
+    records = _write_jsonl_upload(upload_dir, num_records)
+    run_dir = work / "prepare-run"
+    wall, cpu, rss = _run_measured([sys.executable, "-m", "pipeline_steps", "prepare", "--run-dir", str(run_dir),
+                                    "--data", str(upload_dir), "--preset", preset])
+    return {"records": records, "preset": preset, "wall_s": wall, "cpu_s": cpu,
+            "prepare_records_per_s": records / wall, "prepare_records_per_cpu_s": records / cpu,
+            "prepare_peak_rss_mb": rss / 2**20, "train_data_rss_mb_per_rank": _rank_data_rss(run_dir) / 2**20}
+
+
+def _rank_data_rss(run_dir: Path) -> int:
+    """Bytes of private (anonymous) RSS one training rank adds by loading the prepared data and
+    cutting a batch: what every rank of a node pays again. Pages of memory-mapped files are shared
+    by the ranks through the page cache and not counted. A fresh process, measured after torch is
+    imported, so the libraries are not counted either."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, torch; from pipeline_steps import data as D\n"
+             "rss = lambda: next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('RssAnon'))\n"
+             "before = rss(); d = D.load_prepared(sys.argv[1])\n"
+             "next(D.TrainBatches(d, d.data_cfg.batch_size, rank=0, world_size=1, seed=0).epoch(0))\n"
+             "print(rss() - before)")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, "-c", probe, str(run_dir)], env=env, capture_output=True, text=True,
+                         check=True)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
 def prepared_run_dir(work: Path, preset: str, name: str | None = None) -> Path:
     """A run dir holding the preset's prepared demo data (prepared once per preset, then copied)."""
     import shutil
@@ -578,6 +657,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["checkpoint"] = bench_checkpoint(next(iter(trainers[headline].values())), work, repeats=repeats)
     result["checkpoint_save_s_per_gb"] = result["checkpoint"]["checkpoint_save_s_per_gb"]
     result["checkpoint_load_s_per_gb"] = result["checkpoint"]["checkpoint_load_s_per_gb"]
+    # ---- data at scale: prepare of a generated JSON Lines upload, and one rank's data memory
+    num_records = 20_000 if args.quick else PREPARE_RECORDS
+    log.info("bench prepare: %d records", num_records)
+    result["prepare"] = bench_prepare(work, num_records, headline)
+    for key in ("prepare_records_per_s", "prepare_peak_rss_mb", "train_data_rss_mb_per_rank"):
+        result[key] = result["prepare"][key]
     if not args.keep_work:
         import shutil
 
@@ -628,6 +713,11 @@ def print_report(result: dict[str, Any]) -> None:
     summary.add_row("checkpoint_save_s_per_gb", f"{result['checkpoint_save_s_per_gb']:.2f}", "-", "-")
     summary.add_row("checkpoint_load_s_per_gb", f"{result['checkpoint_load_s_per_gb']:.2f}", "-", "-")
     summary.add_row("embed_mfu_vs_ceiling", f"{result['embed_mfu_vs_ceiling']:.1%}", "as high as possible", "-")
+    pr = result["prepare"]
+    summary.add_row("prepare records/s (CPU s)", f"{pr['prepare_records_per_s']:.0f} ({pr['cpu_s']:.1f})",
+                    f">= 50000 at {pr['records']} records", "-")
+    summary.add_row("prepare peak RSS MB", f"{pr['prepare_peak_rss_mb']:.0f}", "<= 1536", "-")
+    summary.add_row("training data RSS MB per rank", f"{pr['train_data_rss_mb_per_rank']:.0f}", "-", "-")
     console.print(summary)
     embed = Table(title="embedding inference (tokenisation included; FLOPs on real tokens)")
     for col in ("preset", "backend", "texts", "embeddings/s", "GFLOP/s", "ceiling GFLOP/s", "mfu_vs_ceiling",

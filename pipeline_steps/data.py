@@ -12,7 +12,8 @@ whose name starts with "products" (e.g. DIR/products/part-*.jsonl) and with "pai
 
 Prepared data (what `prepare` writes under RUN_DIR/prepared/ and `load_prepared` reads):
     tokenizer.json, schema.json, products.parquet, train_pairs.parquet, holdout_pairs.parquet,
-    quarantine.jsonl, prepare.json (written last: its status "ok" marks a complete set).
+    <side>_pairs.<column>.npy (the pair columns training memory-maps), quarantine.jsonl,
+    prepare.json (written last: its status "ok" marks a complete set).
 
 Batches: `TrainBatches` (training: bucketed, static shapes, sharded per rank, seeded order) and
 `text_batches` (inference: every row once, sorted by length). Both index pre-tokenised numpy
@@ -24,7 +25,10 @@ This is a library; the step is `python -m pipeline_steps prepare --run-dir DIR -
 from __future__ import annotations
 
 import hashlib
+import heapq
+import itertools
 import json
+import logging
 import math
 import unicodedata
 from dataclasses import dataclass, field
@@ -32,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 import numpy as np
+import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
@@ -53,12 +58,32 @@ NUMERIC_CLIP = 10.0
 price cannot saturate the fusion MLP."""
 PREPARED = "prepared"
 
+log = logging.getLogger("pipeline_steps.data")
+
 
 # ---------------------------------------------------------------------------------------------
 # Reading records
 # ---------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
+QUARANTINE_REASONS: dict[str, str] = {
+    "invalid UTF-8": "a line that is not valid UTF-8 (each line is decoded on its own)",
+    "invalid Unicode": "a lone surrogate escape such as \\ud800, which no UTF-8 text can hold",
+    "malformed JSON": "a truncated or broken line",
+    "number out of range": "a number too large for a 64-bit float, such as 1e400",
+    "nesting too deep": "arrays or objects nested deeper than 1024 levels",
+    "missing field": "no title, no query, ...",
+    "wrong type": "\"title\": 42, or a line that is not a JSON object",
+    "empty text": "a title/query/id that is empty or only whitespace",
+    "text too long": "a field longer than max_text_chars characters",
+    "non-finite number": "NaN / Infinity in numeric or weight",
+    "non-positive weight": "weight <= 0",
+    "duplicate product id": "a second product with an id seen before (the first one is kept)",
+    "unknown product_id": "a pair whose product is missing from the catalog or was quarantined",
+}
+"""Every reason a record can be quarantined for (docs/data.md lists the same table)."""
+
+
+@dataclass(slots=True)  # built once per record: slots make that ~2x cheaper than frozen
 class RawRecord:
     """One line (JSON Lines) or row (Parquet) of an input file, parsed or with the parse failure."""
 
@@ -66,39 +91,104 @@ class RawRecord:
     line: int
     """1-based line number (JSON Lines) or row number (Parquet) in `source`."""
     value: dict[str, Any] | None
-    raw: str | None = None
-    """The line as text (JSON Lines); None for Parquet rows (rebuilt from `value` when needed)."""
+    raw: bytes | None = None
+    """The line as read (JSON Lines); None for Parquet rows (rebuilt from `value` when needed)."""
     reason: str | None = None
     detail: str | None = None
 
     def raw_text(self) -> str:
         if self.raw is not None:
-            return self.raw
+            return self.raw.decode("utf-8", "backslashreplace")
         return json.dumps(self.value, sort_keys=True, default=str)
 
 
+def _sniff_format(path: Path) -> str | None:
+    """"parquet" or "jsonl" for a file whose name does not say, judged by its content (Parquet's
+    magic bytes, or a first non-blank line that is a JSON object); None when it is neither."""
+    with open(path, "rb") as fh:
+        head = fh.read(4)
+        if head == b"PAR1":
+            return "parquet"
+        fh.seek(0)
+        for line in fh:
+            if line.strip():
+                try:
+                    return "jsonl" if isinstance(orjson.loads(line), dict) else None
+                except orjson.JSONDecodeError:
+                    return None
+    return None
+
+
+def input_format(path: Path) -> str:
+    """"parquet" or "jsonl": by suffix, else by content; BadInputError naming the file otherwise."""
+    if path.suffix == ".parquet":
+        return "parquet"
+    if path.suffix in (".jsonl", ".ndjson"):
+        return "jsonl"
+    found = _sniff_format(path)
+    if found is None:
+        raise BadInputError(f"input file {path} is neither JSON Lines nor Parquet (prepare reads "
+                            f"{', '.join(INPUT_SUFFIXES)}, and JSON Lines under any other name); convert it "
+                            f"(decompress .gz, one JSON object per line) or remove it from the upload")
+    return found
+
+
 def list_input_files(path: str | Path) -> list[Path]:
-    """The input files at `path` (a file, or a directory read recursively), sorted."""
+    """The input files at `path` (a file, or a directory read recursively), sorted. A file with
+    another suffix is read when its content is JSON Lines or Parquet, else it is an error."""
     p = Path(path)
     if not p.exists():
         raise BadInputError(f"input path {p} does not exist; check the path (on AWS: the upload's "
                             f"prefix under /fsx/data/incoming/)")
     if p.is_file():
-        if p.suffix not in INPUT_SUFFIXES:
-            raise BadInputError(f"input file {p} is not JSON Lines or Parquet; expected one of "
-                                f"{', '.join(INPUT_SUFFIXES)}")
+        input_format(p)
         return [p]
-    files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in INPUT_SUFFIXES
+    files = sorted(f for f in p.rglob("*") if f.is_file()
                    and not any(part.startswith((".", "_")) for part in f.relative_to(p).parts))
     if not files:
         raise BadInputError(f"input directory {p} is empty: no {', '.join(INPUT_SUFFIXES)} files in it "
                             f"(or below); upload the shards first")
+    for f in files:
+        input_format(f)  # fail before any work when one file of the upload is unreadable
     return files
+
+
+def _quarantined_line(source: str, line_no: int, data: bytes, error: Exception) -> RawRecord:
+    """The RawRecord of a line the fast parser rejected, with the most precise reason."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return RawRecord(source, line_no, None, data, "invalid UTF-8", f"byte {exc.start}: {exc.reason}")
+    message = str(error)
+    for marker, reason in (("surrogate", "invalid Unicode"), ("depth limit", "nesting too deep"),
+                           ("infinity when parsed", "number out of range")):
+        if marker in message:
+            return RawRecord(source, line_no, None, data, reason, message)
+    # orjson follows RFC 8259; Python's parser also reads NaN / Infinity, so such a record gets
+    # the validator's more useful reason ("non-finite number") instead of "malformed JSON".
+    try:
+        value = json.loads(text)
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return RawRecord(source, line_no, None, data, "invalid Unicode",
+                         f"{exc.reason}: {exc.object[exc.start:exc.end]!r}")
+    except (ValueError, RecursionError):
+        return RawRecord(source, line_no, None, data, "malformed JSON", message)
+    return _parsed(source, line_no, data, value)
+
+
+def _parsed(source: str, line_no: int, data: bytes, value: Any) -> RawRecord:
+    if not isinstance(value, dict):
+        return RawRecord(source, line_no, None, data, "wrong type",
+                         f"a record must be a JSON object, got {type(value).__name__}")
+    return RawRecord(source, line_no, value, data)
 
 
 def _iter_jsonl(path: Path) -> Iterator[RawRecord]:
     source = str(path)
-    # Binary mode and a per-line decode: one bad byte quarantines one line, not the whole file.
+    if path.stat().st_size == 0:
+        log.warning("input file %s is empty (0 bytes): it adds no records", path)
+    # Binary mode and a per-line parse: one bad byte quarantines one line, not the whole file.
     with open(path, "rb") as fh:
         for line_no, data in enumerate(fh, start=1):
             data = data.rstrip(b"\r\n")
@@ -107,21 +197,11 @@ def _iter_jsonl(path: Path) -> Iterator[RawRecord]:
             if not data.strip():
                 continue  # blank lines separate nothing and hold no record
             try:
-                text = data.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                yield RawRecord(source, line_no, None, data.decode("utf-8", "backslashreplace"),
-                                "invalid UTF-8", f"byte {exc.start}: {exc.reason}")
+                value = orjson.loads(data)  # validates UTF-8 and rejects lone surrogates itself
+            except orjson.JSONDecodeError as exc:
+                yield _quarantined_line(source, line_no, data, exc)
                 continue
-            try:
-                value = json.loads(text)
-            except json.JSONDecodeError as exc:
-                yield RawRecord(source, line_no, None, text, "malformed JSON", str(exc))
-                continue
-            if not isinstance(value, dict):
-                yield RawRecord(source, line_no, None, text, "wrong type",
-                                f"a record must be a JSON object, got {type(value).__name__}")
-                continue
-            yield RawRecord(source, line_no, value, text)
+            yield _parsed(source, line_no, data, value)
 
 
 def _iter_parquet(path: Path) -> Iterator[RawRecord]:
@@ -146,7 +226,7 @@ def _iter_parquet(path: Path) -> Iterator[RawRecord]:
 def iter_records(files: Iterable[Path]) -> Iterator[RawRecord]:
     """Every non-blank line / row of `files`, in order, parsed where possible."""
     for path in files:
-        yield from (_iter_parquet(path) if path.suffix == ".parquet" else _iter_jsonl(path))
+        yield from (_iter_parquet(path) if input_format(path) == "parquet" else _iter_jsonl(path))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,7 +243,7 @@ class RecordError(ValueError):
         self.detail = detail
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built once per record: slots make that ~2x cheaper than frozen
 class ProductRecord:
     id: str
     title: str
@@ -180,7 +260,7 @@ class ProductRecord:
         return self.title if not self.description else f"{self.title} {self.description}"
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built once per record: slots make that ~2x cheaper than frozen
 class PairRecord:
     query: str
     product_id: str
@@ -192,6 +272,19 @@ class PairRecord:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _finite_float(value: Any, name: str) -> float:
+    """`value` (a JSON/Parquet number) as a finite float, or RecordError saying why not."""
+    if not _is_number(value):
+        raise RecordError("wrong type", f"{name} must be a number, got {type(value).__name__}")
+    try:
+        number = float(value)  # Python ints are unbounded: 10**400 has no float
+    except OverflowError:
+        raise RecordError("number out of range", f"{name} does not fit a 64-bit float") from None
+    if not math.isfinite(number):
+        raise RecordError("non-finite number", f"{name} is {number}")
+    return number
 
 
 def _text(record: dict, name: str, max_chars: int, *, required: bool) -> str | None:
@@ -249,11 +342,7 @@ def _numeric_features(record: dict) -> dict[str, float]:
     for key, value in _mapping(record, "numeric").items():
         if value is None:
             continue
-        if not _is_number(value):
-            raise RecordError("wrong type", f"numeric.{key} must be a number, got {type(value).__name__}")
-        if not math.isfinite(value):
-            raise RecordError("non-finite number", f"numeric.{key} is {value}")
-        features[key] = float(value)
+        features[key] = _finite_float(value, f"numeric.{key}")
     return features
 
 
@@ -263,7 +352,9 @@ def _categorical_features(record: dict) -> dict[str, str]:
         if value is None:
             continue
         # Integer codes are common in exported catalogs; they are category names, not quantities.
-        if _is_number(value) and float(value).is_integer():
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)
+        elif isinstance(value, float) and value.is_integer():
             value = str(int(value))
         if not isinstance(value, str):
             raise RecordError("wrong type", f"categorical.{key} must be a string, got {type(value).__name__}")
@@ -288,14 +379,20 @@ def validate_product(record: dict, max_chars: int, source: str = "", line: int =
 
 def validate_pair(record: dict, max_chars: int, source: str = "", line: int = 0) -> PairRecord:
     """A PairRecord, or RecordError saying why the record is unusable."""
+    # The common case in a few checks (pairs are the bulk of the input); anything else takes the
+    # field-by-field path below, which gives the reason.
+    query, product_id, weight = record.get("query"), record.get("product_id"), record.get("weight")
+    if (type(query) is str and type(product_id) is str and record.get("label") is None
+            and (weight is None or (type(weight) is float and 0.0 < weight < math.inf))
+            and len(query) <= max_chars and len(product_id) <= max_chars and not product_id.isspace() and product_id):
+        text = " ".join(query.split())
+        if text:
+            return PairRecord(text, product_id, 1.0 if weight is None else weight, None, source, line)
     weight = record.get("weight")
     if weight is None:
         weight = 1.0
-    elif not _is_number(weight):
-        raise RecordError("wrong type", f"weight must be a number, got {type(weight).__name__}")
-    elif not math.isfinite(weight):
-        raise RecordError("non-finite number", f"weight is {weight}")
-    elif weight <= 0:
+    weight = _finite_float(weight, "weight")
+    if weight <= 0:
         raise RecordError("non-positive weight", f"weight must be > 0, got {weight}")
     return PairRecord(
         query=_text(record, "query", max_chars, required=True),
@@ -311,13 +408,15 @@ def validate_pair(record: dict, max_chars: int, source: str = "", line: int = 0)
 # Tokenizer
 # ---------------------------------------------------------------------------------------------
 
-def _continuing_subword_tokens(tokenizer: Tokenizer, texts: Sequence[str]) -> list[str]:
-    """"##c" for every character that occurs inside a word of `texts`, sorted."""
+def _continuing_subword_tokens(tokenizer: Tokenizer, texts: Sequence[str], chunk: int = 10_000) -> list[str]:
+    """"##c" for every character of the normalised `texts` that can occur inside a word, sorted:
+    all but whitespace and punctuation, where the BERT pre-tokenizer splits (a character seen only
+    at word starts adds an unused token, which is harmless)."""
     chars: set[str] = set()
-    for text in texts:
-        for word, _ in tokenizer.pre_tokenizer.pre_tokenize_str(tokenizer.normalizer.normalize_str(text)):
-            chars.update(word[1:])
-    return ["##" + c for c in sorted(chars)]
+    for start in range(0, len(texts), chunk):  # normalisation works per character: join a chunk
+        chars.update(tokenizer.normalizer.normalize_str("\n".join(texts[start:start + chunk])))
+    inside = (c for c in chars if not c.isspace() and not unicodedata.category(c).startswith("P"))
+    return ["##" + c for c in sorted(inside)]
 
 
 def train_tokenizer(texts: Sequence[str], vocab_size: int) -> Tokenizer:
@@ -355,37 +454,95 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     return Tokenizer.from_file(str(path))
 
 
+ENCODE_CHUNK = 8192
+"""Distinct texts encoded per call: the tokenizer's Encoding objects (ids, tokens, masks) cost
+~100x the int32 row they become, so encoding a whole catalog at once peaks at gigabytes."""
+
+
 def encode_texts(tokenizer: Tokenizer, texts: Sequence[str], max_length: int) -> tuple[np.ndarray, np.ndarray]:
     """Encode `texts` as [CLS] ... [SEP], truncated (keeping [SEP]) and padded with 0 to `max_length`.
     Returns (token_ids int32 [n, max_length], lengths int32 [n] = real tokens incl. specials)."""
-    # A private copy: truncation/padding are tokenizer state and the caller's object stays untouched.
+    # A private copy: truncation is tokenizer state and the caller's object stays untouched.
     tok = Tokenizer.from_str(tokenizer.to_str())
     tok.enable_truncation(max_length=max_length)
-    tok.enable_padding(length=max_length, pad_id=PAD_ID, pad_token=SPECIAL_TOKENS[PAD_ID])
-    encodings = tok.encode_batch(list(texts))
-    ids = np.array([e.ids for e in encodings], dtype=np.int32).reshape(len(encodings), max_length)
-    mask = np.array([e.attention_mask for e in encodings], dtype=np.int32).reshape(len(encodings), max_length)
-    return ids, mask.sum(axis=1, dtype=np.int32)
+    tok.no_padding()  # padding here is cheaper than turning 0s into Python ints and back
+    # Each distinct text is encoded once: queries repeat across the pairs of a click log.
+    first: dict[str, int] = {}
+    inverse = np.fromiter((first.setdefault(t, len(first)) for t in texts), dtype=np.int64, count=len(texts))
+    distinct = list(first)
+    ids = np.zeros((len(distinct), max_length), dtype=np.int32)
+    lengths = np.zeros(len(distinct), dtype=np.int32)
+    for start in range(0, len(distinct), ENCODE_CHUNK):
+        encodings = tok.encode_batch_fast(distinct[start:start + ENCODE_CHUNK])  # no character offsets
+        chunk_lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int32, count=len(encodings))
+        flat = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), dtype=np.int32,
+                           count=int(chunk_lengths.sum()))
+        rows = np.repeat(np.arange(start, start + len(encodings)), chunk_lengths)
+        cols = np.arange(len(flat)) - np.repeat(np.cumsum(chunk_lengths) - chunk_lengths, chunk_lengths)
+        ids[rows, cols] = flat
+        lengths[start:start + len(encodings)] = chunk_lengths
+    return ids[inverse], lengths[inverse]
 
 
 def normalise_query(text: str) -> str:
     """The form two queries must share to count as the same query: NFKD, accents dropped,
     lowercase, single spaces."""
+    if text.isascii():  # nothing to decompose or drop: the common case, 5x faster
+        return " ".join(text.lower().split())
     decomposed = unicodedata.normalize("NFKD", text)
     stripped = "".join(c for c in decomposed if not unicodedata.combining(c))
     return " ".join(stripped.lower().split())
+
+
+def query_keys(queries: Sequence[str], seed: int) -> np.ndarray:
+    """uint64 [n]: a hash of (seed, normalised query): equal for the same query, whatever its case,
+    accents or spacing. It decides the holdout split and counts distinct queries."""
+    out = np.zeros(len(queries), dtype=np.uint64)
+    cache: dict[str, int] = {}  # a query repeats across many pairs (clicks, purchases)
+    prefix = f"{seed}\x00"
+    for i, q in enumerate(queries):
+        key = cache.get(q)
+        if key is None:
+            digest = hashlib.blake2b((prefix + normalise_query(q)).encode("utf-8"), digest_size=8).digest()
+            key = cache[q] = int.from_bytes(digest, "big")
+        out[i] = key
+    return out
+
+
+def holdout_threshold(fraction: float) -> np.uint64:
+    return np.uint64(int(fraction * 2**64))
 
 
 def holdout_mask(queries: Sequence[str], fraction: float, seed: int) -> np.ndarray:
     """bool [n]: True for pairs whose query is held out. Decided by a hash of (seed, normalised
     query), so every pair of one query lands on the same side, and a query keeps its side in the
     next data version (incremental runs are validated on queries they never trained on)."""
-    threshold = int(fraction * 2**64)
-    out = np.zeros(len(queries), dtype=bool)
-    for i, q in enumerate(queries):
-        digest = hashlib.blake2b(f"{seed}\x00{normalise_query(q)}".encode("utf-8"), digest_size=8).digest()
-        out[i] = int.from_bytes(digest, "big") < threshold
-    return out
+    return query_keys(queries, seed) < holdout_threshold(fraction)
+
+
+class TextSample:
+    """At most `size` distinct texts: those with the smallest hashes. The same sample whatever the
+    order the texts arrive in or how the input is sharded, in bounded memory."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._heap: list[tuple[int, str]] = []  # (-hash, text): the root is the largest hash kept
+        self._kept: set[str] = set()
+
+    def update(self, texts: Iterable[str]) -> None:
+        for text in set(texts) - self._kept:
+            h = int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big")
+            if len(self._heap) < self.size:
+                heapq.heappush(self._heap, (-h, text))
+                self._kept.add(text)
+            elif -h > self._heap[0][0]:
+                _, dropped = heapq.heapreplace(self._heap, (-h, text))
+                self._kept.discard(dropped)
+                self._kept.add(text)
+
+    def texts(self) -> list[str]:
+        """The sample, in hash order (deterministic)."""
+        return [text for _, text in sorted(self._heap, reverse=True)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -512,7 +669,45 @@ class Pairs:
     class_id: np.ndarray  # int64 [M], IGNORE_INDEX = none
 
     def __len__(self) -> int:
-        return len(self.queries)
+        return len(self.product_index)
+
+
+PAIR_ARRAYS = ("token_ids", "lengths", "product_index", "weight", "class_id")
+"""The pair columns training reads; `prepare` also stores each as RUN_DIR/prepared/<side>_pairs.<name>.npy,
+which every rank memory-maps: the ranks of a node share one copy in the page cache instead of
+each holding its own."""
+
+
+def pair_array_path(prepared: Path, side: str, name: str) -> Path:
+    return prepared / f"{side}_pairs.{name}.npy"
+
+
+class ParquetStrings(Sequence[str]):
+    """A string column of a Parquet file, read on first use: training never reads the query
+    texts, so its ranks never hold them."""
+
+    def __init__(self, path: Path, column: str):
+        self._path, self._column = path, column
+        self._values: list[str] | None = None
+
+    def _load(self) -> list[str]:
+        if self._values is None:
+            self._values = pq.read_table(self._path, columns=[self._column]).column(self._column).to_pylist()
+        return self._values
+
+    def __len__(self) -> int:
+        return pq.ParquetFile(self._path).metadata.num_rows if self._values is None else len(self._values)
+
+    def __getitem__(self, index):
+        return self._load()[index]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._load())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None  # mutable-looking sequence semantics, like list
 
 
 @dataclass
@@ -556,16 +751,27 @@ def save_products(path: str | Path, products: Products) -> None:
         pq.write_table(table, tmp)
 
 
-def save_pairs(path: str | Path, pairs: Pairs, product_ids: Sequence[str]) -> None:
-    table = pa.table({
-        "query": pa.array(pairs.queries, pa.string()),
-        "product_id": pa.array([product_ids[i] for i in pairs.product_index], pa.string()),
+PAIRS_SCHEMA = pa.schema([("query", pa.string()), ("product_id", pa.string()), ("product_index", pa.int64()),
+                          ("token_ids", pa.list_(pa.int32())), ("length", pa.int32()), ("weight", pa.float32()),
+                          ("class_id", pa.int64())])
+
+
+def pairs_table(queries: pa.Array | Sequence[str], product_ids: pa.Array, pairs: Pairs) -> pa.Table:
+    """The Parquet layout of pairs (`queries` and `product_ids` as Arrow arrays or lists; the
+    other columns from `pairs`)."""
+    return pa.table({
+        "query": pa.array(queries, pa.string()),
+        "product_id": pa.array(product_ids, pa.string()),
         "product_index": pa.array(pairs.product_index.astype(np.int64)),
         "token_ids": _list_column(pairs.token_ids.astype(np.int32)),
         "length": pa.array(pairs.lengths.astype(np.int32)),
         "weight": pa.array(pairs.weight.astype(np.float32)),
         "class_id": pa.array(pairs.class_id.astype(np.int64)),
-    })
+    }, schema=PAIRS_SCHEMA)
+
+
+def save_pairs(path: str | Path, pairs: Pairs, product_ids: Sequence[str]) -> None:
+    table = pairs_table(pairs.queries, pa.array(product_ids, pa.string()).take(pairs.product_index), pairs)
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
 
@@ -602,6 +808,20 @@ def read_pairs(path: str | Path, data_cfg: DataConfig) -> Pairs:
     )
 
 
+def _load_pairs(prepared: Path, side: str, data_cfg: DataConfig) -> Pairs:
+    """The pairs of one side: memory-mapped .npy arrays when prepare wrote them, else from Parquet."""
+    parquet = prepared / f"{side}_pairs.parquet"
+    paths = {name: pair_array_path(prepared, side, name) for name in PAIR_ARRAYS}
+    if not all(path.is_file() for path in paths.values()):
+        return read_pairs(parquet, data_cfg)
+    arrays = {name: np.load(path, mmap_mode="r") for name, path in paths.items()}
+    rows = {a.shape[0] for a in arrays.values()}
+    if len(rows) != 1 or arrays["token_ids"].shape[1:] != (data_cfg.query_length,):
+        raise BadInputError(f"the {side} pair arrays in {prepared} do not match each other or the data config; "
+                            f"rerun prepare")
+    return Pairs(queries=ParquetStrings(parquet, "query"), **arrays)
+
+
 def load_prepared(run_dir: str | Path) -> PreparedData:
     """Everything `prepare` wrote for `run_dir`; BadInputError with the command to run if it hasn't."""
     prepared = Path(run_dir) / PREPARED
@@ -619,8 +839,8 @@ def load_prepared(run_dir: str | Path) -> PreparedData:
     products = read_products(prepared / "products.parquet", data_cfg, schema)
     return PreparedData(
         products=products,
-        train=read_pairs(prepared / "train_pairs.parquet", data_cfg),
-        holdout=read_pairs(prepared / "holdout_pairs.parquet", data_cfg),
+        train=_load_pairs(prepared, "train", data_cfg),
+        holdout=_load_pairs(prepared, "holdout", data_cfg),
         schema=schema,
         tokenizer_path=prepared / "tokenizer.json",
         data_cfg=data_cfg,

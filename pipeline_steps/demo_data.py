@@ -157,9 +157,16 @@ def generate_products(num_products: int, seed: int) -> list[dict]:
     """`num_products` product records (see the module docstring), deterministic for `seed`."""
     rng = random.Random(f"products:{seed}")
     seen: set[tuple] = set()
+    # Distinct (type, brand, material, size, colour) products; a larger catalog repeats them as
+    # model series ("... Mk 2"), so any size terminates.
+    capacity = sum(len(t.materials) * len(t.sizes) for t in TYPES) * len(BRANDS) * len(COLOURS)
+    series = 1
     products: list[dict] = []
     families = _families(rng)
     while len(products) < num_products:
+        if len(seen) == capacity:
+            seen.clear()
+            series += 1
         t, brand, mult, material, size_index = next(families)
         size = t.sizes[size_index]
         # 2-4 colour variants of one family: the hard distractors of each other.
@@ -177,7 +184,7 @@ def generate_products(num_products: int, seed: int) -> list[dict]:
                 numeric["rating"] = round(min(5.0, max(1.0, rng.gauss(3.6 + 0.3 * mult, 0.5))), 1)
             record = {
                 "id": f"P{len(products):06d}",
-                "title": _title(t, type_word, brand, colour, material, size, rng),
+                "title": _title(t, type_word, brand, colour, material, size, rng) + (f" Mk {series}" if series > 1 else ""),
                 "numeric": numeric,
                 "categorical": {"brand": brand, "colour": colour, "material": material, "size": size},
                 "category": t.department,

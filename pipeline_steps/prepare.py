@@ -9,40 +9,45 @@ With `--init-from RUN_DIR_OR_CHECKPOINT`: the previous run's tokenizer and schem
 Writes RUN_DIR/prepared/ (each file atomically; prepare.json last, its status "ok" marks a
 complete set, and it is removed first so a crash never leaves an old "ok" beside new files):
     tokenizer.json, schema.json, products.parquet, train_pairs.parquet, holdout_pairs.parquet,
+    <side>_pairs.<column>.npy (the pair columns, memory-mapped by every training rank),
     quarantine.jsonl  {"kind", "source", "line", "reason", "detail", "record"} per bad record,
     prepare.json      counts per reason, fractions, input checksums, seed, data config.
 
 Exit codes: 0 ok; 65 (bad input) when the input is missing/empty or more than --max-bad-fraction
-of the products or of the pairs is quarantined; 78 for a bad flag value or a --init-from tokenizer
-larger than the preset's vocabulary.
+of the products or of the pairs is quarantined; 75 (retryable) when the upload is still incomplete
+on FSx after --upload-timeout; 78 for a bad flag value or a --init-from tokenizer larger than the
+preset's vocabulary.
 
 Local:    python -m pipeline_steps prepare --run-dir runs/demo --demo --preset tiny
 AWS:      python -m pipeline_steps prepare --run-dir /fsx/runs/RUN --data /fsx/data/incoming/DS/VERSION
           --preset base [--init-from /fsx/runs/PREVIOUS_RUN]
-Single process on purpose (no torchrun): tokenisation runs in Rust threads, and the outputs are
-read by every rank of the later steps.
+Memory: the catalog plus one chunk of pairs (they are streamed; see docs/data.md, "Scale").
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
+import shutil
 import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import IO, Any, Callable, Iterator, Sequence
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from . import data as D
 from .config import DataConfig, get_preset, to_dict
 from .errors import BadConfigError, BadInputError, StepError
-from . import tracking
-from .fileio import atomic_write_bytes, atomic_write_json, sha256_file
+from . import tracking, upload
+from .fileio import atomic_path, atomic_write_bytes, atomic_write_json, sha256_file
 from .pretrained import previous_staged, stage as stage_pretrained
 
 log = logging.getLogger("pipeline_steps.prepare")
@@ -50,28 +55,40 @@ log = logging.getLogger("pipeline_steps.prepare")
 RAW_RECORD_CHARS = 1000
 """A quarantined record is kept up to this many characters: enough to see the problem, bounded
 when a 'record' is a 50 MB line."""
+PAIR_CHUNK = 65_536
+"""Valid pairs held in memory at once (and the rows of one Parquet row group at most): prepare's
+memory is the catalog plus one chunk, whatever the number of pairs."""
+TOKENIZER_SAMPLE = 100_000
+"""Distinct texts the tokenizer is trained on at most (half products, half training queries),
+chosen by hash: the same sample whatever the input order or sharding."""
+WORK_DIR = "_work"
+"""RUN_DIR/prepared/_work/: validated pairs between the validation and the tokenisation pass."""
 
 
 # ---------------------------------------------------------------------------------------------
 # Quarantine
 # ---------------------------------------------------------------------------------------------
 
-@dataclass
 class Quarantine:
-    entries: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    reasons: dict[str, Counter] = dataclasses.field(default_factory=lambda: {"products": Counter(), "pairs": Counter()})
+    """Bad records with their reasons, counted per kind and streamed to a JSON Lines file as they
+    are found (kept in `entries` instead when there is no file)."""
+
+    def __init__(self, sink: IO[bytes] | None = None):
+        self._sink = sink
+        self.entries: list[dict[str, Any]] = []
+        self.reasons: dict[str, Counter] = {"products": Counter(), "pairs": Counter()}
 
     def add(self, kind: str, source: str, line: int, reason: str, detail: str, raw: str) -> None:
         self.reasons[kind][reason] += 1
-        self.entries.append({"kind": kind, "source": source, "line": line, "reason": reason, "detail": detail,
-                             "record": raw[:RAW_RECORD_CHARS]})
+        entry = {"kind": kind, "source": source, "line": line, "reason": reason, "detail": detail,
+                 "record": raw[:RAW_RECORD_CHARS]}
+        if self._sink is None:
+            self.entries.append(entry)
+        else:
+            self._sink.write(json.dumps(entry, sort_keys=True).encode("ascii") + b"\n")  # escapes non-ASCII
 
     def count(self, kind: str) -> int:
         return sum(self.reasons[kind].values())
-
-    def write(self, path: Path) -> None:
-        text = "".join(json.dumps(e, sort_keys=True) + "\n" for e in self.entries)
-        atomic_write_bytes(path, text.encode("ascii"))  # json.dumps escapes non-ASCII
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,6 +121,7 @@ def resolve_inputs(args: argparse.Namespace, run_dir: Path, seed: int) -> tuple[
         log.info("wrote the %s demo data to %s", args.preset, out)
         return _data_dir_inputs(out)
     if args.data is not None:
+        upload.wait_for_upload(args.data, args.upload_timeout)
         return _data_dir_inputs(args.data)
     return D.list_input_files(args.products), D.list_input_files(args.pairs)
 
@@ -146,21 +164,44 @@ def read_products(files: Sequence[Path], cfg: DataConfig, quarantine: Quarantine
     return products, num_read
 
 
-def read_pairs(files: Sequence[Path], cfg: DataConfig, product_ids: set[str],
-               quarantine: Quarantine) -> tuple[list[D.PairRecord], int]:
-    """Valid pairs whose product exists, and the number of records read."""
-    pairs: list[D.PairRecord] = []
-    num_read = 0
+@dataclass
+class PairChunk:
+    """Up to PAIR_CHUNK validated pairs, as columns."""
+
+    queries: list[str]
+    product_index: np.ndarray  # int64 [n], row in the catalog
+    weight: np.ndarray  # float32 [n]
+    labels: list[str | None]
+
+    def __len__(self) -> int:
+        return len(self.queries)
+
+
+def iter_pair_chunks(files: Sequence[Path], cfg: DataConfig, product_row: dict[str, int], quarantine: Quarantine,
+                     num_read: Counter, chunk_size: int = PAIR_CHUNK) -> Iterator[PairChunk]:
+    """The valid pairs whose product exists, PAIR_CHUNK at a time; num_read["pairs"] counts every record read."""
+    queries: list[str] = []
+    rows: list[int] = []
+    weights: list[float] = []
+    labels: list[str | None] = []
     for raw, pair in _validated("pairs", files, D.validate_pair, cfg, quarantine):
-        num_read += 1
+        num_read["pairs"] += 1
         if pair is None:
             continue
-        if pair.product_id not in product_ids:
+        row = product_row.get(pair.product_id)
+        if row is None:
             quarantine.add("pairs", raw.source, raw.line, "unknown product_id",
                            f"product {pair.product_id!r} is not in the catalog (or was quarantined)", raw.raw_text())
             continue
-        pairs.append(pair)
-    return pairs, num_read
+        queries.append(pair.query)
+        rows.append(row)
+        weights.append(pair.weight)
+        labels.append(pair.label)
+        if len(queries) == chunk_size:
+            yield PairChunk(queries, np.array(rows, np.int64), np.array(weights, np.float32), labels)
+            queries, rows, weights, labels = [], [], [], []
+    if queries:
+        yield PairChunk(queries, np.array(rows, np.int64), np.array(weights, np.float32), labels)
 
 
 def _counts(kind: str, num_read: int, quarantine: Quarantine) -> dict[str, Any]:
@@ -170,11 +211,17 @@ def _counts(kind: str, num_read: int, quarantine: Quarantine) -> dict[str, Any]:
             "reasons": dict(sorted(quarantine.reasons[kind].items()))}
 
 
-def check_threshold(counts: dict[str, dict[str, Any]], max_bad_fraction: float, quarantine_path: Path) -> None:
+def _names(files: Sequence[Path], limit: int = 5) -> str:
+    shown = ", ".join(str(f) for f in files[:limit])
+    return shown + (f" and {len(files) - limit} more" if len(files) > limit else "")
+
+
+def check_threshold(counts: dict[str, dict[str, Any]], max_bad_fraction: float, quarantine_path: Path,
+                    files: dict[str, Sequence[Path]]) -> None:
     for kind, c in counts.items():
         if c["read"] == 0:
-            raise BadInputError(f"the {kind} input holds no records (only blank lines or empty files); "
-                                f"upload non-empty {kind} shards")
+            raise BadInputError(f"the {kind} input holds no records: {_names(files[kind])} "
+                                f"(only blank lines or empty files); upload non-empty {kind} shards")
         if c["fraction_bad"] > max_bad_fraction:
             reasons = ", ".join(f"{r}: {n}" for r, n in c["reasons"].items())
             raise BadInputError(
@@ -229,17 +276,119 @@ def build_products(records: Sequence[D.ProductRecord], tokenizer, schema: D.Sche
                       class_id=schema.class_ids([p.category for p in records]))
 
 
-def build_pairs(records: Sequence[D.PairRecord], tokenizer, schema: D.Schema, cfg: DataConfig,
-                product_row: dict[str, int], product_class: np.ndarray) -> D.Pairs:
-    queries = [p.query for p in records]
-    token_ids, lengths = D.encode_texts(tokenizer, queries, cfg.query_length)
-    product_index = np.array([product_row[p.product_id] for p in records], dtype=np.int64)
+@dataclass
+class SpilledPairs:
+    """What the validation pass learned about the pairs: the valid ones sit in `files` (Arrow IPC,
+    one per chunk, with their holdout side), the rest is small."""
+
+    files: list[Path]
+    num_read: int
+    num_valid: int
+    num_train: int
+    query_sample: list[str]
+    """Distinct training queries (at most TOKENIZER_SAMPLE // 2) the tokenizer learns from."""
+    labels: set[str]
+
+
+def spill_pairs(files: Sequence[Path], cfg: DataConfig, product_row: dict[str, int], quarantine: Quarantine,
+                work: Path, seed: int) -> SpilledPairs:
+    """Validate the pairs and split them by query, holding one chunk in memory at a time."""
+    num_read: Counter = Counter()
+    sample = D.TextSample(TOKENIZER_SAMPLE // 2)
+    labels: set[str] = set()
+    spilled, num_valid, num_train = [], 0, 0
+    threshold = D.holdout_threshold(cfg.holdout_fraction)
+    for i, chunk in enumerate(iter_pair_chunks(files, cfg, product_row, quarantine, num_read, PAIR_CHUNK)):
+        keys = D.query_keys(chunk.queries, seed)
+        holdout = keys < threshold
+        num_valid += len(chunk)
+        num_train += int((~holdout).sum())
+        sample.update(q for q, h in zip(chunk.queries, holdout) if not h)  # holdout queries stay unseen
+        labels.update(label for label in chunk.labels if label)
+        table = pa.table({"query": pa.array(chunk.queries, pa.string()), "product_index": chunk.product_index,
+                          "weight": chunk.weight, "label": pa.array(chunk.labels, pa.string()),
+                          "holdout": holdout, "key": keys})
+        path = work / f"pairs-{i:06d}.arrow"
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table)
+        spilled.append(path)
+    return SpilledPairs(spilled, num_read["pairs"], num_valid, num_train, sample.texts(), labels)
+
+
+@dataclass
+class PairStats:
+    """Running totals over the written pairs, for the report."""
+
+    num: Counter = dataclasses.field(default_factory=Counter)
+    keys: dict[str, list[np.ndarray]] = dataclasses.field(default_factory=lambda: {"train": [], "holdout": []})
+    at_max_length: int = 0
+    train_per_bucket: Counter = dataclasses.field(default_factory=Counter)
+
+
+def write_pairs(spilled: SpilledPairs, tokenizer, schema: D.Schema, cfg: DataConfig, products: D.Products,
+                out: Path) -> PairStats:
+    """Tokenise the spilled pairs chunk by chunk into train_pairs.parquet and holdout_pairs.parquet
+    (one row group per chunk and side) and the arrays training memory-maps (<side>_pairs.<name>.npy),
+    each written atomically."""
+    stats = PairStats()
+    product_ids = pa.array(products.ids, pa.string())
+    product_buckets = D.bucket_index(products.lengths, cfg.length_buckets)
+    num_rows = {"train": spilled.num_train, "holdout": spilled.num_valid - spilled.num_train}
+    with contextlib.ExitStack() as stack:
+        writers = {side: stack.enter_context(pq.ParquetWriter(stack.enter_context(atomic_path(out / f"{side}_pairs.parquet")),
+                                                              D.PAIRS_SCHEMA))
+                   for side in ("train", "holdout")}
+        arrays = {side: _pair_arrays(stack, out, side, num_rows[side], cfg.query_length) for side in num_rows}
+        for path in spilled.files:
+            with pa.memory_map(str(path)) as source:
+                table = pa.ipc.open_file(source).read_all()
+            holdout = table.column("holdout").to_numpy()
+            for side, rows in (("train", np.flatnonzero(~holdout)), ("holdout", np.flatnonzero(holdout))):
+                if not len(rows):
+                    continue
+                part = table.take(rows)
+                pairs = _tokenised_pairs(part, tokenizer, schema, cfg, products.class_id)
+                writers[side].write_table(D.pairs_table(part.column("query"), product_ids.take(pairs.product_index), pairs))
+                start = stats.num[side]
+                for name, array in arrays[side].items():
+                    array[start:start + len(rows)] = getattr(pairs, name)
+                stats.num[side] += len(rows)
+                stats.keys[side].append(part.column("key").to_numpy())
+                stats.at_max_length += int((pairs.lengths >= cfg.query_length).sum())
+                if side == "train":
+                    stats.train_per_bucket.update(product_buckets[pairs.product_index].tolist())
+        for writer in writers.values():
+            writer.close()  # before atomic_path renames the file
+        for side_arrays in arrays.values():
+            for array in side_arrays.values():
+                array.flush()
+    return stats
+
+
+PAIR_DTYPES = {"token_ids": np.int32, "lengths": np.int32, "product_index": np.int64, "weight": np.float32,
+               "class_id": np.int64}
+
+
+def _pair_arrays(stack: contextlib.ExitStack, out: Path, side: str, rows: int, query_length: int) -> dict[str, np.ndarray]:
+    """Writable memory maps of the .npy arrays of one side, renamed into place when `stack` closes."""
+    arrays = {}
+    for name in D.PAIR_ARRAYS:
+        shape = (rows, query_length) if name == "token_ids" else (rows,)
+        tmp = stack.enter_context(atomic_path(D.pair_array_path(out, side, name)))
+        arrays[name] = np.lib.format.open_memmap(tmp, mode="w+", dtype=PAIR_DTYPES[name], shape=shape)
+    return arrays
+
+
+def _tokenised_pairs(part: pa.Table, tokenizer, schema: D.Schema, cfg: DataConfig,
+                     product_class: np.ndarray) -> D.Pairs:
+    token_ids, lengths = D.encode_texts(tokenizer, part.column("query").to_pylist(), cfg.query_length)
+    product_index = part.column("product_index").to_numpy()
     # A pair's own label wins; otherwise the class is its product's category.
-    labels = schema.class_ids([p.label for p in records])
-    inherited = product_class[product_index] if len(records) else np.zeros(0, np.int64)
-    class_id = np.where(np.array([p.label is not None for p in records], dtype=bool), labels, inherited)
-    return D.Pairs(queries=queries, token_ids=token_ids, lengths=lengths, product_index=product_index,
-                   weight=np.array([p.weight for p in records], dtype=np.float32), class_id=class_id.astype(np.int64))
+    labels = part.column("label").to_pylist()
+    has_label = np.array([label is not None for label in labels], dtype=bool)
+    class_id = np.where(has_label, schema.class_ids(labels), product_class[product_index])
+    return D.Pairs(queries=[], token_ids=token_ids, lengths=lengths, product_index=product_index,
+                   weight=part.column("weight").to_numpy(), class_id=class_id.astype(np.int64))
 
 
 def schema_coverage(schema: D.Schema, products: Sequence[D.ProductRecord], built: D.Products) -> dict[str, Any]:
@@ -280,6 +429,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "tokenizer; train starts the encoder from its weights")
     parser.add_argument("--max-bad-fraction", type=float, help="override the preset's quarantine threshold")
     parser.add_argument("--seed", type=int, default=0, help="holdout split (and demo data) seed")
+    parser.add_argument("--upload-timeout", type=float, default=0.0, metavar="SECONDS",
+                        help="with --data on FSx: wait up to this long for every file of the upload (listed in "
+                             "its _SUCCESS manifest) to be imported, then exit 75 (retryable); 0 = local data")
     args = parser.parse_args(argv)
     if (args.products is None) != (args.pairs is None):
         parser.error("--products and --pairs go together (and not with --data/--demo)")
@@ -290,31 +442,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def validate_inputs(product_files: Sequence[Path], pair_files: Sequence[Path], cfg: DataConfig, out: Path,
-                    report: dict[str, Any]) -> tuple[list[D.ProductRecord], list[D.PairRecord]]:
-    """Read and validate every record, write the quarantine, fill report["counts"], apply the threshold."""
-    quarantine = Quarantine()
-    products, num_products_read = read_products(product_files, cfg, quarantine)
-    pairs, num_pairs_read = read_pairs(pair_files, cfg, {p.id for p in products}, quarantine)
+                    seed: int, report: dict[str, Any]) -> tuple[list[D.ProductRecord], SpilledPairs]:
+    """Read and validate every record, stream the quarantine, spill the valid pairs to out/_work/,
+    fill report["counts"], apply the threshold."""
+    work = out / WORK_DIR
+    shutil.rmtree(work, ignore_errors=True)  # a crashed attempt's chunks
+    work.mkdir(parents=True)
     quarantine_path = out / "quarantine.jsonl"
-    quarantine.write(quarantine_path)
+    with atomic_path(quarantine_path) as tmp, open(tmp, "wb") as sink:
+        quarantine = Quarantine(sink)
+        products, num_products_read = read_products(product_files, cfg, quarantine)
+        spilled = spill_pairs(pair_files, cfg, {p.id: i for i, p in enumerate(products)}, quarantine, work, seed)
     counts = {"products": _counts("products", num_products_read, quarantine),
-              "pairs": _counts("pairs", num_pairs_read, quarantine)}
+              "pairs": _counts("pairs", spilled.num_read, quarantine)}
     report.update(counts=counts, quarantine_file=str(quarantine_path), max_bad_fraction=cfg.max_bad_fraction)
     for kind, c in counts.items():
         log.info("%s: read %d, good %d, quarantined %d %s", kind, c["read"], c["good"], c["quarantined"], c["reasons"])
-    check_threshold(counts, cfg.max_bad_fraction, quarantine_path)
-    return products, pairs
+    check_threshold(counts, cfg.max_bad_fraction, quarantine_path, {"products": product_files, "pairs": pair_files})
+    if not spilled.num_train:
+        raise BadInputError("every query fell into the holdout; provide more distinct queries")
+    return products, spilled
 
 
 def tokenizer_and_schema(init_from: Path | None, cfg: DataConfig, products: Sequence[D.ProductRecord],
-                         pairs: Sequence[D.PairRecord], is_holdout: np.ndarray, pretrained: Path | None = None,
-                         out: Path | None = None):
+                         spilled: SpilledPairs, pretrained: Path | None = None, out: Path | None = None):
     """(tokenizer, its exact JSON bytes, schema, origin): reused unchanged from --init-from, taken from
-    the --pretrained encoder, else learned from the catalog and the training queries (holdout queries
-    stay unseen)."""
+    the --pretrained encoder, else learned from a bounded sample of the catalog and the training queries
+    (holdout queries stay unseen)."""
     staged = stage_pretrained(pretrained, out, cfg.max_length, init_from) if out is not None else None
     if staged is not None:
-        return (*staged[:2], D.Schema.fit(products, (p.label for p in pairs)), staged[2])
+        return (*staged[:2], D.Schema.fit(products, spilled.labels), staged[2])
     if init_from is not None:
         tokenizer_bytes, schema, origin = load_previous(init_from)
         tokenizer = D.Tokenizer.from_str(tokenizer_bytes.decode("utf-8"))
@@ -324,87 +481,93 @@ def tokenizer_and_schema(init_from: Path | None, cfg: DataConfig, products: Sequ
             raise BadConfigError(f"the reused tokenizer has {tokenizer.get_vocab_size()} tokens but this preset "
                                  f"embeds only {cfg.vocab_size}; use the previous run's --preset")
         return tokenizer, tokenizer_bytes, schema, origin
-    texts = [p.text for p in products] + [p.query for p, h in zip(pairs, is_holdout) if not h]
-    tokenizer = D.train_tokenizer(texts, cfg.vocab_size)
-    schema = D.Schema.fit(products, (p.label for p in pairs))
+    product_sample = D.TextSample(TOKENIZER_SAMPLE // 2)
+    product_sample.update(p.text for p in products)
+    tokenizer = D.train_tokenizer(product_sample.texts() + spilled.query_sample, cfg.vocab_size)
+    schema = D.Schema.fit(products, spilled.labels)
     return tokenizer, tokenizer.to_str(pretty=True).encode("utf-8"), schema, "trained"
 
 
-def write_outputs(out: Path, tokenizer_bytes: bytes, schema: D.Schema, products: D.Products, train: D.Pairs,
-                  holdout: D.Pairs) -> dict[str, str]:
-    """Write every output but prepare.json (each atomically); return their sha256 by name."""
+def write_outputs(out: Path, tokenizer_bytes: bytes, schema: D.Schema, products: D.Products) -> None:
+    """Write the tokenizer, schema and catalog (each atomically); the pairs are written by write_pairs."""
     atomic_write_bytes(out / "tokenizer.json", tokenizer_bytes)
     schema.save(out / "schema.json")
     D.save_products(out / "products.parquet", products)
-    D.save_pairs(out / "train_pairs.parquet", train, products.ids)
-    D.save_pairs(out / "holdout_pairs.parquet", holdout, products.ids)
-    names = ("tokenizer.json", "schema.json", "products.parquet", "train_pairs.parquet", "holdout_pairs.parquet")
-    return {name: sha256_file(out / name) for name in names}
 
 
-def summary(cfg: DataConfig, schema: D.Schema, products: D.Products, train: D.Pairs, holdout: D.Pairs) -> dict:
+OUTPUT_NAMES = ("tokenizer.json", "schema.json", "products.parquet", "train_pairs.parquet", "holdout_pairs.parquet",
+                *(D.pair_array_path(Path(), side, name).name for side in ("train", "holdout") for name in D.PAIR_ARRAYS))
+
+
+def summary(cfg: DataConfig, schema: D.Schema, products: D.Products, stats: PairStats) -> dict:
     """The report's description of what was prepared."""
-    buckets = D.bucket_index(products.lengths[train.product_index], cfg.length_buckets)
-    query_lengths = np.concatenate([train.lengths, holdout.lengths])
+    distinct = {side: len(np.unique(np.concatenate(keys))) if keys else 0 for side, keys in stats.keys.items()}
     return {
         "schema": {"numeric": len(schema.numeric_names), "categorical": list(schema.cardinalities),
                    "classes": len(schema.class_names)},
-        "split": {"train_pairs": len(train), "holdout_pairs": len(holdout),
-                  "train_queries": len({D.normalise_query(q) for q in train.queries}),
-                  "holdout_queries": len({D.normalise_query(q) for q in holdout.queries}),
+        "split": {"train_pairs": stats.num["train"], "holdout_pairs": stats.num["holdout"],
+                  "train_queries": distinct["train"], "holdout_queries": distinct["holdout"],
                   "holdout_fraction": cfg.holdout_fraction},
         # Texts at the cap were (most likely) truncated: a high share says the buckets are too short.
         "at_max_length": {"products": int((products.lengths >= max(cfg.length_buckets)).sum()),
-                          "queries": int((query_lengths >= cfg.query_length).sum())},
-        "train_pairs_per_bucket": {str(b): int((buckets == i).sum()) for i, b in enumerate(cfg.length_buckets)},
+                          "queries": stats.at_max_length},
+        "train_pairs_per_bucket": {str(b): stats.train_per_bucket[i] for i, b in enumerate(cfg.length_buckets)},
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    started = time.time()
     preset = get_preset(args.preset)
+    report = prepare(args, preset)
+    # ---- tracking: this step as a child run of the pipeline's MLflow run (never fails the step).
+    # After prepare() returned, so its data is freed before tracking imports torch (~0.8 GB RSS).
+    tracking.log_step("prepare", args.run_dir, params={"preset": preset.name, "seed": args.seed},
+                      metrics=tracking.flatten(report), config={"data": report["data_config"]})
+    return 0
+
+
+def prepare(args: argparse.Namespace, preset) -> dict[str, Any]:
+    """The step without its tracking: validate, tokenise, write RUN_DIR/prepared/; returns prepare.json."""
+    started = time.time()
     cfg = preset.data
     if args.max_bad_fraction is not None:
         cfg = dataclasses.replace(cfg, max_bad_fraction=args.max_bad_fraction)  # validated (BadConfigError)
+    if args.upload_timeout < 0:
+        raise BadConfigError(f"--upload-timeout must be >= 0 seconds, got {args.upload_timeout}")
     out = args.run_dir / D.PREPARED
     out.mkdir(parents=True, exist_ok=True)
     (out / "prepare.json").unlink(missing_ok=True)  # invalidate first: a crash below leaves no "ok" marker
 
     product_files, pair_files = resolve_inputs(args, args.run_dir, args.seed)
     inputs = {"products": _input_checksums(product_files), "pairs": _input_checksums(pair_files)}
+    if args.data is not None:
+        upload.check_checksums(args.data, {i["path"]: i["sha256"] for kind in inputs.values() for i in kind})
     report: dict[str, Any] = {
         "status": "failed", "preset": preset.name, "seed": args.seed, "data_config": to_dict(cfg), "inputs": inputs,
         "input_sha256": _sha256_bytes(json.dumps(inputs, sort_keys=True).encode()),
         "init_from": str(args.init_from) if args.init_from else None,
     }
     try:
-        product_records, pair_records = validate_inputs(product_files, pair_files, cfg, out, report)
-        is_holdout = D.holdout_mask([p.query for p in pair_records], cfg.holdout_fraction, args.seed)
-        if is_holdout.all():
-            raise BadInputError("every query fell into the holdout; provide more distinct queries")
+        product_records, spilled = validate_inputs(product_files, pair_files, cfg, out, args.seed, report)
         tokenizer, tokenizer_bytes, schema, origin = tokenizer_and_schema(
-            args.init_from, cfg, product_records, pair_records, is_holdout, args.pretrained, out)
+            args.init_from, cfg, product_records, spilled, args.pretrained, out)
         products = build_products(product_records, tokenizer, schema, cfg)
-        product_row = {pid: i for i, pid in enumerate(products.ids)}
-        train, holdout = (build_pairs([p for p, h in zip(pair_records, is_holdout) if h == side], tokenizer, schema,
-                                      cfg, product_row, products.class_id) for side in (False, True))
     except StepError as exc:
         # The report of a failed run says why, next to the quarantine that explains it.
         atomic_write_json(out / "prepare.json", {**report, "error": str(exc)})
         raise
-    if not len(holdout):
+    write_outputs(out, tokenizer_bytes, schema, products)
+    stats = write_pairs(spilled, tokenizer, schema, cfg, products, out)
+    shutil.rmtree(out / WORK_DIR)
+    if not stats.num["holdout"]:
         log.warning("the holdout is empty (too few distinct queries); validation will have nothing to score")
-    report.update(summary(cfg, schema, products, train, holdout))
-    report.update(status="ok", outputs=write_outputs(out, tokenizer_bytes, schema, products, train, holdout),
+    report.update(summary(cfg, schema, products, stats))
+    report.update(status="ok", outputs={name: sha256_file(out / name) for name in OUTPUT_NAMES},
                   tokenizer={"source": origin, "sha256": _sha256_bytes(tokenizer_bytes),
                              "vocab_size": tokenizer.get_vocab_size()},
                   schema_coverage=schema_coverage(schema, product_records, products),
                   elapsed_s=round(time.time() - started, 3))
     atomic_write_json(out / "prepare.json", report)
-    log.info("prepared %d products, %d train / %d holdout pairs in %s (%.1fs)", len(products), len(train),
-             len(holdout), out, report["elapsed_s"])
-    # ---- tracking: this step as a child run of the pipeline's MLflow run (never fails the step)
-    tracking.log_step("prepare", args.run_dir, params={"preset": preset.name, "seed": args.seed},
-                      metrics=tracking.flatten(report), config={"data": to_dict(cfg)})
-    return 0
+    log.info("prepared %d products, %d train / %d holdout pairs in %s (%.1fs)", len(products), stats.num["train"],
+             stats.num["holdout"], out, report["elapsed_s"])
+    return report

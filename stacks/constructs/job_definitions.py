@@ -76,11 +76,24 @@ def multi_node_steps(training: TrainingConfig) -> Mapping[str, tuple[list[str], 
     }
 
 
+PREPARE_UPLOAD_TIMEOUT_S = 1800
+"""How long prepare waits for FSx for Lustre to import every file of an upload before it exits 75
+(retried by Batch): automatic import from S3 is asynchronous, so the `_SUCCESS` event can arrive
+before the upload is visible on /fsx
+(https://docs.aws.amazon.com/fsx/latest/LustreGuide/autoimport-data-repo-dra.html)."""
+
+
+def single_node_steps(training: TrainingConfig) -> Mapping[str, tuple[list[str], dict[str, str]]]:
+    """Step -> (command, parameter defaults). Prepare tokenizes for the stage's training preset
+    (vocabulary, length buckets): the same preset Compile and Train run."""
+    return {**SINGLE_NODE_STEPS, "prepare": (
+        ["prepare", "--run-dir", RUN_DIR, "--data", "Ref::data_uri", "--preset", training.preset,
+         "--init-from", "Ref::init_from", "--upload-timeout", str(PREPARE_UPLOAD_TIMEOUT_S)],
+        {"init_from": ""},
+    )}
+
+
 SINGLE_NODE_STEPS: Mapping[str, tuple[list[str], dict[str, str]]] = {
-    "prepare": (
-        ["prepare", "--run-dir", RUN_DIR, "--data", "Ref::data_uri", "--preset", "Ref::preset", "--init-from", "Ref::init_from"],
-        {"preset": "base", "init_from": ""},
-    ),
     "validate": (
         ["validate", "--run-dir", RUN_DIR, "--previous-metrics", "Ref::previous_metrics",
          "--gate-report-only", "--gate-s3-uri", "Ref::gate_s3_uri"],
@@ -201,7 +214,7 @@ class JobDefinitions(Construct):
             cfn.add_property_override("NodeProperties.NumNodes", default_num_nodes)
             self.job_definitions[step] = job_definition
 
-        for step, (command, parameters) in SINGLE_NODE_STEPS.items():
+        for step, (command, parameters) in single_node_steps(training_config).items():
             container = self._container(
                 f"{step.capitalize()}Container", image=image, spec=single_node, command=command,
                 environment={**base_env, **_node_env(single_node)},

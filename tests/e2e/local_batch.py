@@ -30,7 +30,6 @@ What differs from AWS, on purpose and visibly (`LocalSetup.describe()` prints it
   Lustre mount, device and EFA count checks), NPROC_PER_NODE is overridable (default 1), and
   neuron_parallel_compile / neuron-ls / fi_info / nccom-test are recording stand-ins
   (tests/e2e/standin.py);
-- `parameter_defaults` may replace definition defaults (the e2e uses preset=tiny);
 - every AWS API the steps call goes to the moto server (AWS_ENDPOINT_URL).
 """
 
@@ -186,7 +185,6 @@ class LocalSetup:
     endpoint_url: str
     region: str
     nproc_per_node: int = 1
-    parameter_defaults: dict[str, str] = field(default_factory=dict)
     attempt_timeout_s: float = 900.0  # a local guard; the definitions' own timeouts are hours
 
     @property
@@ -210,7 +208,6 @@ class LocalSetup:
                 "--backend xla -> --backend cpu (gloo across node processes; torch-xla CPU has no multi-process collectives)",
                 "sanity without --fsx-path, --instance-type, INSTANCE_TYPE (no Lustre, Neuron devices or EFA here)",
                 f"NPROC_PER_NODE={self.nproc_per_node}",
-                *(f"parameter default {k}={v}" for k, v in self.parameter_defaults.items()),
                 "neuron_parallel_compile, neuron-ls, fi_info, nccom-test: recording stand-ins"]
 
 
@@ -268,7 +265,7 @@ class LocalBatch:
         nodes = None
         if spec.num_nodes is not None:
             nodes = int(submission.get("nodeOverrides", {}).get("numNodes", spec.num_nodes))
-        parameters = {**spec.parameters, **self.setup.parameter_defaults, **submission.get("parameters", {})}
+        parameters = {**spec.parameters, **submission.get("parameters", {})}
         run = JobRun(job_id=job.job_id, job_name=job.job_name, definition=spec.name, nodes=nodes or 1,
                      array_index=job.array_properties.get("index"), parameters=parameters)
         with self._lock:

@@ -101,12 +101,10 @@ class Stage:
 
 def synthesize(preset: str = "tiny") -> Stage:
     """The dev stage's stacks and templates (one synthesis: ~30 s of CDK work on 2 cores), as
-    tests/infra synthesizes it, with the training preset set to `preset` where the stage config
-    holds one (a stage's TrainingConfig renders it into the Compile and Train commands)."""
+    tests/infra synthesizes it, with the training preset set to `preset` (the stage's TrainingConfig renders it into the
+    Prepare, Compile and Train commands)."""
     cfg = stage_config(STAGE)
-    training = getattr(cfg, "training", None)
-    if training is not None and hasattr(training, "preset"):
-        cfg = replace(cfg, training=replace(training, preset=preset))
+    cfg = replace(cfg, training=replace(cfg.training, preset=preset))
     app = cdk.App(context=cdk_json_context())
     stacks = build_stage(app, cfg, image_uri=TEST_IMAGE)
     return Stage(stacks=stacks, templates={role: template_json(app, stack) for role, stack in stacks.items()})

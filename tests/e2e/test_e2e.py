@@ -58,7 +58,7 @@ def test_batch_variables_reach_every_node_as_batch_sets_them(first_run):
     assert main["INSTANCE_TYPE"] == "trn1.32xlarge" and main["FI_PROVIDER"] == "efa"  # the definition's environment
     embeds = [job for job in first_run.jobs if job.definition == "embed"]
     assert sorted(job.attempts[0].environments[0]["AWS_BATCH_JOB_ARRAY_INDEX"] for job in embeds) == ["0", "1", "2", "3"]
-    # Ref::shard_count came from the submit, Ref::preset from the defaults.
+    # Ref::shard_count came from the submit.
     assert {job.attempts[0].argv[job.attempts[0].argv.index("--shard-count") + 1] for job in embeds} == {"4"}
 
 

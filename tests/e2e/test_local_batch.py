@@ -44,7 +44,9 @@ def test_parameters_replace_placeholders_with_defaults_underneath(specs):
     assert command[command.index("--max-steps") + 1] == ""  # dropped by the entrypoint
     assert "Ref::" in " ".join(substitute(train.command, {}))  # nothing supplied: left for the entrypoint to refuse
     command = substitute(prepare.command, {**prepare.parameters, "run_id": "r1", "data_uri": "/fsx/data/d"})
-    assert command[command.index("--preset") + 1] == prepare.parameters["preset"]  # the default
+    assert command[command.index("--init-from") + 1] == ""  # the definition's default (dropped by the entrypoint)
+    # Prepare tokenizes for the preset Compile and Train run: the stage's training preset.
+    assert command[command.index("--preset") + 1] == train.command[train.command.index("--preset") + 1] == "tiny"
 
 
 def test_local_arguments_map_fsx_and_the_backend(tmp_path, specs):

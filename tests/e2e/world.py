@@ -77,7 +77,7 @@ class E2EWorld:
         self.sfn = boto3.client("stepfunctions", region_name=region)
         self._batch_api = boto3.client("batch", region_name=region)
         setup = LocalSetup(work_dir=self.work_dir, endpoint_url=f"http://{host}:{port}", region=region,
-                           nproc_per_node=self.nproc_per_node, parameter_defaults={"preset": self.preset})
+                           nproc_per_node=self.nproc_per_node)
         self._create_buckets()
         definitions = self._create_batch()
         self._create_topic()

@@ -143,7 +143,7 @@ def test_encode_texts_wraps_truncates_and_pads(prepared):
 
 
 def test_tokenizer_training_is_deterministic(prepared):
-    texts = prepared.products.texts + prepared.train.queries
+    texts = prepared.products.texts + list(prepared.train.queries)
     first = D.train_tokenizer(texts, prepared.data_cfg.vocab_size)
     assert all(D.train_tokenizer(texts, prepared.data_cfg.vocab_size).to_str() == first.to_str() for _ in range(3))
     # "##" pieces are ordinary vocabulary, not special tokens that would split the input text.
@@ -180,3 +180,15 @@ def test_prepared_arrays_round_trip_through_parquet(prepared, tmp_path):
     for name in ("token_ids", "lengths", "product_index", "weight", "class_id"):
         assert np.array_equal(getattr(again, name), getattr(prepared.train, name))
     assert Path(prepared.tokenizer_path).is_file()
+
+
+def test_training_pairs_are_memory_mapped_not_copied_per_rank(prepared, tmp_path_factory):
+    """Every rank of a node maps the same .npy files (one copy in the page cache) instead of
+    decoding its own copy of the Parquet file; the values are the Parquet file's."""
+    run_dir = Path(prepared.tokenizer_path).parents[1]
+    parquet = D.read_pairs(run_dir / D.PREPARED / "train_pairs.parquet", prepared.data_cfg)
+    for name in D.PAIR_ARRAYS:
+        mapped = getattr(prepared.train, name)
+        assert isinstance(mapped, np.memmap) and not mapped.flags.writeable, name
+        assert np.array_equal(mapped, getattr(parquet, name)), name
+    assert list(prepared.train.queries) == parquet.queries and len(prepared.train) == len(parquet)

@@ -82,3 +82,11 @@ def test_every_product_has_same_family_distractors_in_other_colours(demo):
     assert with_siblings / len(families) > 0.8
     assert all(set(p["numeric"]) >= {"price", "reviews"} and p["category"] for p in products.values())
     assert any("rating" not in p["numeric"] for p in products.values())  # a missing numeric feature
+
+
+def test_a_catalog_larger_than_the_distinct_combinations_is_generated():
+    from pipeline_steps.demo_data import generate_products
+
+    products = generate_products(12_000, seed=0)  # more than the 11,760 (type, brand, ..., colour) combinations
+    assert len({p["id"] for p in products}) == 12_000
+    assert any(p["title"].endswith(" Mk 2") for p in products)

@@ -32,6 +32,12 @@ BAD_PRODUCTS = [
     (b'{"id": "bad7", "title": "lamp", "numeric": {"price": NaN}}', "non-finite number"),
     (b'{"id": "P000000", "title": "second definition of an id"}', "duplicate product id"),
     (b'["a", "list"]', "wrong type"),
+    # Inputs that once escaped as a traceback: numbers without a float, lone surrogates, deep nesting.
+    (b'{"id": "bad8", "title": "lamp", "numeric": {"price": 1e400}}', "number out of range"),
+    (b'{"id": "bad9", "title": "lamp", "numeric": {"price": 1' + b"0" * 400 + b'}}', "number out of range"),
+    (b'{"id": "bad10", "title": "lamp \\ud800"}', "invalid Unicode"),
+    (b'{"id": "bad11", "title": "\\udc80", "numeric": {"price": NaN}}', "invalid Unicode"),
+    (b'{"id": "bad12", "title": "lamp", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nesting too deep"),
 ]
 BAD_PAIRS = [
     (b'{"query": "grey sofa", "product_id": "P000001", "weight": 0}', "non-positive weight"),
@@ -41,6 +47,7 @@ BAD_PAIRS = [
     (b'{"query": "grey sofa", "product_id": "bad4"}', "unknown product_id"),  # its product was quarantined
     (b'{"product_id": "P000001"}', "missing field"),
     (b'{"query": "grey sofa", "product_id": 7}', "wrong type"),
+    (b'{"query": "grey sofa", "product_id": "P000001", "weight": 1' + b"0" * 5000 + b'}', "number out of range"),
     (b'{"query": "", "product_id": "P000001"}', "empty text"),
 ]
 
@@ -88,6 +95,8 @@ def test_each_bad_record_is_quarantined_with_its_reason_and_line(dirty_input, tm
     report = read_json(run / "prepared" / "prepare.json")
     assert report["status"] == "ok"
     assert report["counts"]["products"]["reasons"]["wrong type"] == 2
+    assert set(report["counts"]["products"]["reasons"]) | set(report["counts"]["pairs"]["reasons"]) \
+        <= set(D.QUARANTINE_REASONS)
     assert report["counts"]["pairs"]["reasons"]["unknown product_id"] == 2
     # No good record is dropped: every product and pair of the clean data is in the prepared set.
     prepared = D.load_prepared(run)
@@ -135,6 +144,29 @@ def test_missing_or_empty_input_is_a_clear_error(tmp_path, caplog):
     assert _prepare(run, "--data", str(tmp_path / "missing-dir")) == 65
 
 
+def test_an_empty_input_file_is_named_in_the_error(tmp_path, caplog):
+    products, pairs = generate(20, 2, seed=0)
+    _write_jsonl(tmp_path / "in" / "products.jsonl", products, [])
+    (tmp_path / "in" / "pairs.jsonl").write_bytes(b"")
+    assert _prepare(tmp_path / "run", "--products", str(tmp_path / "in" / "products.jsonl"),
+                    "--pairs", str(tmp_path / "in" / "pairs.jsonl")) == 65
+    assert f"holds no records: {tmp_path / 'in' / 'pairs.jsonl'}" in caplog.text
+
+
+def test_files_with_another_suffix_are_read_as_json_lines_or_named_in_the_error(tmp_path, caplog):
+    products, pairs = generate(40, 2, seed=1)
+    data = tmp_path / "upload"
+    _write_jsonl(data / "products" / "part-00000.json", products[:20], [])  # Spark's JSON writer: JSON Lines
+    _write_jsonl(data / "products" / "part-00001", products[20:], [])
+    _write_jsonl(data / "pairs" / "part-00000.jsonl", pairs, [])
+    assert _prepare(tmp_path / "run", "--data", str(data)) == 0
+    assert read_json(tmp_path / "run" / "prepared" / "prepare.json")["counts"]["products"]["good"] == 40
+
+    (data / "pairs" / "part-00001.csv").write_text("query,product_id\ngrey sofa,P000001\n")
+    assert _prepare(tmp_path / "run", "--data", str(data)) == 65
+    assert f"{data / 'pairs' / 'part-00001.csv'} is neither JSON Lines nor Parquet" in caplog.text
+
+
 def test_parquet_inputs_are_validated_with_row_numbers(tmp_path):
     products, pairs = generate(40, 2, seed=5)
     products[3] = {**products[3], "title": None}  # a null in a Parquet column is a missing field
@@ -166,7 +198,8 @@ def test_holdout_split_is_deterministic_and_shares_no_query_with_train(tmp_path)
     train_a, holdout_a = _split(tmp_path / "a")
     assert (train_a, holdout_a) == _split(tmp_path / "b")
     # A rerun (e.g. a Batch retry) reproduces every output, the tokenizer included.
-    for name in ("tokenizer.json", "products.parquet", "train_pairs.parquet", "holdout_pairs.parquet"):
+    for name in ("tokenizer.json", "products.parquet", "train_pairs.parquet", "holdout_pairs.parquet",
+                 "train_pairs.token_ids.npy", "holdout_pairs.token_ids.npy"):
         assert (tmp_path / "a" / "prepared" / name).read_bytes() == (tmp_path / "b" / "prepared" / name).read_bytes()
     assert holdout_a and not train_a & holdout_a
     fraction = len(holdout_a) / (len(train_a) + len(holdout_a))
@@ -230,3 +263,21 @@ def test_init_from_a_run_without_prepared_data_is_a_clear_error(tmp_path, caplog
     (tmp_path / "old").mkdir()
     assert _prepare(tmp_path / "run", "--demo", "--init-from", str(tmp_path / "old")) == 65
     assert "tokenizer.json" in caplog.text and "checkpoint" in caplog.text
+
+
+def test_pairs_are_streamed_in_chunks_without_changing_the_result(tmp_path, monkeypatch):
+    """Memory holds one chunk of pairs at a time (one Parquet row group per chunk and side); the
+    chunk size changes nothing in what is prepared."""
+    from pipeline_steps import prepare
+
+    assert _prepare(tmp_path / "whole", "--demo") == 0
+    monkeypatch.setattr(prepare, "PAIR_CHUNK", 50)
+    assert _prepare(tmp_path / "chunked", "--demo") == 0
+    for name in ("train_pairs.parquet", "holdout_pairs.parquet"):
+        chunked = pq.ParquetFile(tmp_path / "chunked" / "prepared" / name)
+        assert max(chunked.metadata.row_group(i).num_rows for i in range(chunked.num_row_groups)) <= 50
+        assert chunked.read().equals(pq.read_table(tmp_path / "whole" / "prepared" / name))
+    arrays = [D.pair_array_path(Path(), side, column).name for side in ("train", "holdout") for column in D.PAIR_ARRAYS]
+    for name in ("tokenizer.json", "schema.json", "products.parquet", "quarantine.jsonl", *arrays):
+        assert (tmp_path / "chunked" / "prepared" / name).read_bytes() == (tmp_path / "whole" / "prepared" / name).read_bytes()
+    assert not (tmp_path / "chunked" / "prepared" / "_work").exists()

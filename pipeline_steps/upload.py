@@ -1,0 +1,132 @@
+"""The upload contract, and waiting until an upload is complete on the file system.
+
+An upload is `<dataset>/<version>/{products/..., pairs/..., _SUCCESS}`, with `_SUCCESS` uploaded
+last. On AWS, `prepare` reads it through FSx for Lustre, whose automatic import from S3 is
+asynchronous: the `_SUCCESS` event fires when S3 has the object, and FSx creates the file and
+directory listings later, object by object, in no guaranteed order
+(https://docs.aws.amazon.com/fsx/latest/LustreGuide/autoimport-data-repo-dra.html). So prepare
+waits, bounded, until every file of the upload is visible with its full size.
+
+`_SUCCESS` can carry a manifest of the upload (recommended; `manifest_for` writes one):
+    {"files": [{"path": "products/part-00000.jsonl", "bytes": 1234, "sha256": "..."}, ...]}
+`path` is relative to the upload directory; `sha256` is optional and checked by prepare. With
+an empty `_SUCCESS`, the upload counts as complete once the marker is visible and the listing
+(names and sizes) stays the same over one poll interval.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .errors import BadInputError, RetryableError
+from .fileio import sha256_file
+
+log = logging.getLogger("pipeline_steps.upload")
+
+SUCCESS_MARKER = "_SUCCESS"
+DOCS = "https://docs.aws.amazon.com/fsx/latest/LustreGuide/autoimport-data-repo-dra.html"
+
+
+@dataclass(frozen=True)
+class ManifestEntry:
+    path: str
+    bytes: int
+    sha256: str | None = None
+
+
+def read_manifest(upload_dir: Path) -> list[ManifestEntry] | None:
+    """The files `_SUCCESS` lists; None for an empty marker (no manifest). BadInputError when
+    the marker holds something that is not a manifest."""
+    text = (upload_dir / SUCCESS_MARKER).read_bytes()
+    if not text.strip():
+        return None
+    try:
+        files = json.loads(text)["files"]
+        entries = [ManifestEntry(str(f["path"]), int(f["bytes"]), f.get("sha256")) for f in files]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BadInputError(f"{upload_dir / SUCCESS_MARKER} is neither empty nor a manifest ({exc!r}); expected "
+                            f'{{"files": [{{"path": "products/part-00000.jsonl", "bytes": 1234}}, ...]}}') from None
+    for entry in entries:
+        if entry.path.startswith("/") or ".." in Path(entry.path).parts or entry.bytes < 0:
+            raise BadInputError(f"{upload_dir / SUCCESS_MARKER} lists {entry.path!r} ({entry.bytes} bytes): paths "
+                                f"must be relative to the upload directory and sizes >= 0")
+    return entries
+
+
+def manifest_for(upload_dir: Path) -> dict:
+    """The manifest of the files under `upload_dir` (hidden and `_` files excluded), to upload as
+    its `_SUCCESS`: what a data owner's export job writes last."""
+    files = sorted(f for f in upload_dir.rglob("*") if f.is_file()
+                   and not any(part.startswith((".", "_")) for part in f.relative_to(upload_dir).parts))
+    return {"files": [{"path": f.relative_to(upload_dir).as_posix(), "bytes": f.stat().st_size,
+                       "sha256": sha256_file(f)} for f in files]}
+
+
+def _listing(upload_dir: Path) -> dict[str, int]:
+    return {f.relative_to(upload_dir).as_posix(): f.stat().st_size
+            for f in sorted(upload_dir.rglob("*")) if f.is_file()}
+
+
+def missing_files(upload_dir: Path, previous: dict[str, int] | None,
+                  on_fsx: bool = True) -> tuple[list[str], dict[str, int] | None]:
+    """(what is not there yet, the listing to compare with next time); empty when complete.
+    `on_fsx=False` (local data, nothing is imported): only a manifest, if any, is checked."""
+    marker = upload_dir / SUCCESS_MARKER
+    if not on_fsx and not marker.is_file():
+        return [], None
+    if not upload_dir.is_dir():
+        return [f"{upload_dir} itself"], None
+    if not marker.is_file():
+        return [SUCCESS_MARKER], None
+    manifest = read_manifest(upload_dir)
+    if manifest is None:
+        if not on_fsx:
+            return [], None
+        listing = _listing(upload_dir)
+        return ([] if listing == previous else ["a listing that stays unchanged for one poll interval"]), listing
+    missing = []
+    for entry in manifest:
+        path = upload_dir / entry.path
+        size = path.stat().st_size if path.is_file() else None
+        if size != entry.bytes:
+            missing.append(f"{entry.path} ({'absent' if size is None else f'{size} of {entry.bytes} bytes'})")
+    return missing, None
+
+
+def wait_for_upload(upload_dir: Path, timeout_s: float, poll_s: float = 10.0,
+                    sleep: Callable[[float], None] = time.sleep,
+                    clock: Callable[[], float] = time.monotonic) -> None:
+    """Return once every file of the upload is visible and complete; RetryableError (exit 75, Batch
+    retries the job) when it is not after `timeout_s`. `timeout_s=0` is local data: no waiting,
+    only the manifest in `_SUCCESS`, if there is one, is checked."""
+    on_fsx = timeout_s > 0
+    deadline = clock() + timeout_s
+    missing, listing = missing_files(upload_dir, None, on_fsx)
+    while missing:
+        if clock() >= deadline:
+            shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+            raise RetryableError(
+                f"the upload {upload_dir} is not complete after {timeout_s:.0f} s (--upload-timeout): missing "
+                f"{shown}. FSx for Lustre imports new S3 objects asynchronously ({DOCS}); a retry waits again. "
+                f"If it never completes, check that every file was uploaded before {SUCCESS_MARKER} and that "
+                f"its manifest matches the upload")
+        log.info("waiting for the upload %s: missing %s", upload_dir, ", ".join(missing[:3]))
+        sleep(poll_s)
+        missing, listing = missing_files(upload_dir, listing, on_fsx)
+
+
+def check_checksums(upload_dir: Path, checksums: dict[str, str]) -> None:
+    """BadInputError when a file's sha256 (path -> hex digest, as prepare computed it) differs from
+    the manifest's: the upload is damaged or the manifest is stale."""
+    if not (upload_dir / SUCCESS_MARKER).is_file():
+        return
+    for entry in read_manifest(upload_dir) or []:
+        got = checksums.get(str(upload_dir / entry.path))
+        if entry.sha256 and got and got != entry.sha256:
+            raise BadInputError(f"{upload_dir / entry.path} has sha256 {got} but {SUCCESS_MARKER} lists "
+                                f"{entry.sha256}; re-upload the file (then {SUCCESS_MARKER})")
