@@ -282,7 +282,7 @@ def train_progress(ctx: Context, run_id: str, record: dict[str, Any], *, now: fl
 def _data_input(uri: str, data_bucket: Callable[[], str]) -> dict[str, str]:
     """incoming/<key> (a key in the stage's data bucket), s3://<data bucket>/<key> or
     /fsx/data/<key> -> the execution's data fields. The FSx data repository association maps
-    /fsx/data <-> s3://<data bucket>/ (CONTRACTS.md), so an S3 URI must name that bucket."""
+    /fsx/data <-> s3://<data bucket>/ (stacks/constructs/fsx_lustre.py), so an S3 URI must name that bucket."""
     out: dict[str, str] = {}
     if uri.startswith("s3://"):
         bucket, _, key = uri[len("s3://"):].partition("/")

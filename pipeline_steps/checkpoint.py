@@ -18,7 +18,7 @@ Guarantees
   front instead of producing a file that only fails at load time.
 - One writer: the caller makes sure only the global rank 0 calls `save()`.
 
-The state (see CONTRACTS.md):
+The state:
     {"format_version": 1, "step", "epoch", "batch_in_epoch", "model", "optimizer", "scheduler",
      "rng": rng_state(), "config": {"preset", "model", "data", "train"},
      "tokenizer": {"sha256", "json"}, "schema": dict, "extra": dict}

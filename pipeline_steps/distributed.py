@@ -410,7 +410,8 @@ def neuron_cache_url(base: str | None) -> str | None:
     """The Neuron persistent cache location for this compiler: `<base>/neuronx-cc-<version>/`.
 
     Keyed by compiler version so an image upgrade never loads NEFFs built by another neuronx-cc
-    (DESIGN.md section 5). `compile` and `train` must agree on it, or training recompiles."""
+    (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/general/arch/neuron-features/neuron-caching.html).
+    `compile` and `train` must agree on it, or training recompiles."""
     if not base:
         return None
     return f"{base.rstrip('/')}/neuronx-cc-{versions().get('neuronx-cc') or 'unknown'}/"

@@ -205,7 +205,7 @@ def _session(run_dir: Path) -> _Session | None:
         return _Session(run_dir)
     except ImportError as exc:
         _warn_once("mlflow is not installed (pip install 'trainium-embeddings[tracking]')", exc)
-    except Exception as exc:  # noqa: BLE001 - tracking must never fail a step (issue 6); warned
+    except Exception as exc:  # noqa: BLE001 - tracking must never fail a step; warned
         _warn_once(f"tracking backend {tracking_uri(run_dir)} unusable", exc)
     return None
 

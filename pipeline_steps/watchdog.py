@@ -2,7 +2,7 @@
 
 Why: a hung collective (a dead peer, a wedged EFA link, a device that stopped answering) never
 fails by itself; the rank just waits, and AWS Batch bills the whole cluster until the job timeout.
-This watchdog is the in-process half of stuck-job detection (issue 5); the other half is the
+This watchdog is the in-process half of stuck-job detection; the other half is the
 CloudWatch alarm on the heartbeat metrics (`pipeline_steps.heartbeat`) for the case where the
 whole process is frozen and this thread cannot run either.
 

@@ -103,7 +103,7 @@ class PipelineConfig:
     log_retention_days: int = 365
     """Retention of the state machine's execution log group (a valid CloudWatch value)."""
 
-    # -- Experiment tracking (MLflow, issue 6; pipeline_steps/tracking.py) ------------------
+    # -- Experiment tracking (MLflow; pipeline_steps/tracking.py) ------------------
     mlflow_tracking: str | None = None
     """Where every step logs its MLflow child run (job env MLFLOW_TRACKING_URI):
     "managed" = the compute stack creates a SageMaker managed MLflow tracking server

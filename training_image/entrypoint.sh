@@ -3,7 +3,7 @@
 # the pipeline step. Usage (the job definition's command):
 #     entrypoint.sh <step> --run-dir /fsx/runs/<run_id> [flags...]
 #
-# Exports, on every node (CONTRACTS.md):
+# Exports, on every node:
 #   TORCHRUN_ARGS="--nnodes N --node_rank I --nproc_per_node P --master_addr A --master_port 29500"
 #                  [+ " --rdzv_conf timeout=T" when TORCHRUN_RDZV_TIMEOUT_SECONDS=T is set]
 #   NEURON_RT_ROOT_COMM_ID=A:<NEURON_RT_ROOT_COMM_PORT, default 46820>

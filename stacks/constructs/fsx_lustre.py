@@ -2,7 +2,7 @@
 
 PERSISTENT_2 (survives server failures; the only deployment type with data repository
 associations per path), Lustre 2.15 (the AL2023 lustre-client), LZ4 compression, in the training
-subnet/AZ. Two data repository associations (CONTRACTS.md):
+subnet/AZ. Two data repository associations (the steps' paths):
   /fsx/data <-> s3://<data bucket>/            auto import (new uploads appear on FSx)
   /fsx/runs <-> s3://<artifacts bucket>/runs/  auto import + auto export (checkpoints, metrics
                                                and embeddings written on FSx land in S3)

@@ -7,7 +7,7 @@ instance table (pipeline_steps/contract.py INSTANCE_TYPES, which `sanity` checks
 never pasted. Compile and Train run one training command with one environment
 (`training_arguments`, `training_environment`, from the stage's TrainingConfig).
 
-Commands follow CONTRACTS.md: the image entrypoint (training_image/entrypoint.sh) receives
+Commands: the image entrypoint (training_image/entrypoint.sh) receives
 `<step> --run-dir /fsx/runs/Ref::run_id ...`. Batch parameters cannot be optional, so every
 optional flag has a default of "" and the entrypoint drops a flag whose value is empty.
 
@@ -38,7 +38,8 @@ from stacks.constructs.efa_launch_template import FSX_MOUNT_POINT
 RETRYABLE_EXIT_CODE = int(ExitCode.RETRYABLE)  # the only code Batch retries
 RUN_DIR = "/fsx/runs/Ref::run_id"
 
-# EFA / Neuron collectives environment (DESIGN.md section 5; AWS Neuron multi-node setup docs).
+# EFA / Neuron collectives environment (AWS Neuron multi-node setup docs:
+# https://awsdocs-neuron.readthedocs-hosted.com/en/latest/frameworks/torch/torch-neuronx/setup-trn1-multi-node-execution.html).
 EFA_ENVIRONMENT: Mapping[str, str] = {
     "FI_PROVIDER": "efa",
     "FI_EFA_USE_DEVICE_RDMA": "1",

@@ -1,4 +1,4 @@
-"""A SageMaker managed MLflow tracking server for the pipeline's experiment tracking (issue 6).
+"""A SageMaker managed MLflow tracking server for the pipeline's experiment tracking.
 
 The steps log to it through `MLFLOW_TRACKING_URI=<tracking server ARN>` (pipeline_steps/tracking.py;
 the image needs the `sagemaker-mlflow` plugin, which signs requests with the job role). Artifacts

@@ -1,6 +1,6 @@
 """AWS Batch managed EC2 compute environments, fair-share policy and job queues for Trainium.
 
-CDK L2 pitfalls handled here (DESIGN.md section 5):
+CDK L2 pitfalls handled here:
 - `security_groups=[]` and the SecurityGroupIds property removed: Batch rejects a compute
   environment with security groups when its launch template declares network interfaces, and the
   L2 otherwise creates a default group (aws/aws-cdk#21577, fixed by #21579 allowing []).

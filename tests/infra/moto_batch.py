@@ -1,6 +1,6 @@
 """Moto patches that let the synthesized pipeline definition run end to end (moto 5.2.5).
 
-Known gap (DESIGN.md section 4), checked against moto 5.2.5: the Step Functions interpreter runs
+Known gap, checked against moto 5.2.5: the Step Functions interpreter runs
 `batch:submitJob.sync`, but `StateTaskServiceBatch._normalise_parameters/_normalise_response` are
 the base-class no-ops, so Step Functions-cased parameters (`JobName`, ...) reach botocore
 unconverted and the response is not converted back (`JobId`). The aws-sdk integration has the
