@@ -488,7 +488,7 @@ def _launch_template_data(reservation):
     stack = Stack(App(), "T", env=Environment(account="123456789012", region="us-east-1"))
     group = ec2.SecurityGroup(stack, "Sg", vpc=ec2.Vpc(stack, "Vpc", max_azs=1, nat_gateways=0, subnet_configuration=[]))
     EfaLaunchTemplate(stack, "Lt", spec=INSTANCE_TYPES["trn1.32xlarge"], security_group=group, root_volume_gib=200,
-                      min_driver="2.27", fsx_dns_name="fs.example", fsx_mount_name="mnt", capacity_reservation=reservation)
+                      root_volume_throughput_mibps=1000, root_volume_iops=4000, min_driver="2.27", fsx_dns_name="fs.example", fsx_mount_name="mnt", capacity_reservation=reservation)
     (lt,) = Template.from_stack(stack).find_resources("AWS::EC2::LaunchTemplate").values()
     return lt["Properties"]["LaunchTemplateData"]
 
