@@ -18,7 +18,8 @@ Use:    SentenceTransformer("runs/demo/export/query").encode(["red running shoes
 AWS:    the single-node job `Export` after Embed (docs/orchestration.md). With `--s3-uri` the step
         uploads OUT to that prefix itself, every file first and the marker `_SUCCESS` last, so the
         pointer models/current.json names a complete export as soon as the job succeeded (the FSx
-        auto-export to S3 is asynchronous).
+        auto-export to S3 is asynchronous). With `--run-dir` it is the pipeline's last Batch job:
+        it logs its child run and closes the pipeline's MLflow run (FINISHED, the gate's metrics).
 """
 
 from __future__ import annotations
@@ -263,6 +264,21 @@ def upload(out: Path, s3_uri: str) -> list[str]:
     return keys
 
 
+def finish_pipeline_run(run_dir: Path, report: dict[str, Any], out: Path, s3_uri: str | None) -> None:
+    """The export's child run, then the pipeline's MLflow run closed as FINISHED with the gate's
+    metrics (validation/gate.json): on AWS the export is the last Batch job of a run that passed
+    the gate. Tracking never fails the step."""
+    from . import tracking
+    from .fileio import read_json
+
+    gate_path = Path(run_dir) / "validation" / "gate.json"
+    metrics = (read_json(gate_path).get("metrics") or {}) if gate_path.is_file() else {}
+    tracking.log_step("export", Path(run_dir), params={
+        "checkpoint": report["checkpoint"], "checkpoint_sha256": report["checkpoint_sha256"],
+        "towers": ",".join(report["towers"]), "out": str(out), "s3_uri": s3_uri})
+    tracking.log_pipeline(Path(run_dir), metrics=metrics, status="FINISHED", tags={tracking.OUTCOME_TAG: "exported"})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline_steps export", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -271,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path, help="output directory (replaced)")
     parser.add_argument("--s3-uri", metavar="s3://BUCKET/PREFIX/",
                         help="also upload OUT there (files first, the marker _SUCCESS last)")
+    parser.add_argument("--run-dir", type=Path,
+                        help="the pipeline run this export ends: log it and close the run's MLflow run")
     args = parser.parse_args(argv)
     if args.s3_uri:
         _check_s3_prefix(args.s3_uri)
@@ -279,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
              ", ".join(report["towers"]), report["product_tower"])
     if args.s3_uri:
         upload(args.out, args.s3_uri)
+    if args.run_dir is not None:
+        finish_pipeline_run(args.run_dir, report, args.out, args.s3_uri)
     return 0
 
 

@@ -1,7 +1,16 @@
 """Experiment tracking (MLflow): one MLflow run per pipeline run, a child run per step.
 
 Every step calls `log_step(...)` once when it has written its outputs (a few lines per step, see
-the `# ---- tracking` blocks); run-local calls `log_pipeline(...)` with its report. Each child run
+the `# ---- tracking` blocks); run-local calls `log_pipeline(...)` with its report.
+
+The parent run is closed where the pipeline ends (`log_pipeline`), by the process that knows it:
+- success: the `export` step with `--run-dir` (the last Batch job on AWS) -> FINISHED, gate metrics;
+- a model the gate rejects: `validate --gate-report-only` -> FINISHED, tag pipeline.outcome=model_rejected;
+- a step that fails with an exit code Batch does not retry (anything but 75): `log_failure` -> FAILED,
+  tag pipeline.failed_step (the state machine then takes its failure path: no later step runs);
+- run-local: its report, at the end.
+A run that dies without its process reporting (host loss, attempt timeout, 75 after the last retry)
+stays RUNNING; the failure notification and the execution history name the step. Each child run
 gets the step's params and metrics plus the reproducibility set (`reproducibility()`): git commit,
 package versions (torch, torch-xla, torch-neuronx, neuronx-cc), image URI/digest, instance type,
 node count, world size, the data manifest hash (prepare.json `input_sha256`) and the resolved
@@ -36,6 +45,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from .errors import ExitCode
 from .fileio import atomic_write_json, read_json
 
 log = logging.getLogger(__name__)
@@ -43,6 +53,8 @@ log = logging.getLogger(__name__)
 DEFAULT_EXPERIMENT = "trainium-embeddings"
 RUN_ID_TAG = "pipeline.run_id"
 POINTER_FILE = "mlflow.json"
+OUTCOME_TAG = "pipeline.outcome"
+FAILED_STEP_TAG = "pipeline.failed_step"
 # A failed tracking call must cost seconds, not MLflow's default minutes of retries.
 _HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 _MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
@@ -249,17 +261,22 @@ def log_failure(step: str, run_dir: Path, *, error: str, exit_code: int) -> str 
     exist (the step failed before it had one: nothing to attach the run to)."""
     if not Path(run_dir).is_dir():
         return None
-    return log_step(step, Path(run_dir), params={"exit_code": exit_code}, status="FAILED", error=error)
+    child = log_step(step, Path(run_dir), params={"exit_code": exit_code}, status="FAILED", error=error)
+    if exit_code != ExitCode.RETRYABLE:  # the one code Batch retries; otherwise: the pipeline run ends here
+        log_pipeline(Path(run_dir), metrics={}, status="FAILED", tags={FAILED_STEP_TAG: step, OUTCOME_TAG: "failed"})
+    return child
 
 
 def log_pipeline(run_dir: Path, *, metrics: Mapping[str, Any], params: Mapping[str, Any] | None = None,
-                 status: str = "FINISHED", report: Mapping[str, Any] | None = None) -> str | None:
-    """Record the run-wide outcome on the parent run (run-local's report: metrics, cost)."""
+                 status: str = "FINISHED", report: Mapping[str, Any] | None = None,
+                 tags: Mapping[str, str] | None = None) -> str | None:
+    """Record the run-wide outcome on the parent run and close it with `status` (run-local's
+    report: metrics, cost; on AWS the step that ends the run, see the module docstring)."""
     session = _session(run_dir)
     if session is None:
         return None
     try:
-        session.log(session.parent_id, params=params or {}, metrics=metrics)
+        session.log(session.parent_id, params=params or {}, metrics=metrics, tags=tags or {})
         if report is not None:
             session.client.log_dict(session.parent_id, dict(report), "report.json")
         session.client.set_terminated(session.parent_id, status=status)

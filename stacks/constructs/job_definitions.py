@@ -98,8 +98,9 @@ SINGLE_NODE_STEPS: Mapping[str, tuple[list[str], dict[str, str]]] = {
     # The published model in the sentence-transformers format, uploaded by the step itself to
     # export_s3_uri (files first, the _SUCCESS marker last) because the FSx auto-export to S3 is
     # asynchronous: the pointer written after this job names an export that is complete in S3.
+    # --run-dir: the last Batch job of a run that passed the gate closes the run's MLflow run.
     "export": (
-        ["export", "--checkpoint", RUN_DIR, "--out", f"{RUN_DIR}/export", "--s3-uri", "Ref::export_s3_uri"],
+        ["export", "--run-dir", RUN_DIR, "--checkpoint", RUN_DIR, "--out", f"{RUN_DIR}/export", "--s3-uri", "Ref::export_s3_uri"],
         {"export_s3_uri": ""},
     ),
     # The canary: node-local sanity on the small instance type, outside the exported /fsx/runs.

@@ -355,7 +355,7 @@ def test_export_writes_the_sentence_transformers_folders_beside_the_run_and_uplo
     the prefix the state machine passes (FSx auto-export to S3 is asynchronous)."""
     export = _job_definition(dev_templates["compute"], "export")
     command = _container(export)["Command"]
-    assert command[0] == "export"
+    assert command[:3] == ["export", "--run-dir", "/fsx/runs/Ref::run_id"]  # closes the run's MLflow run
     assert command[command.index("--checkpoint") + 1] == "/fsx/runs/Ref::run_id"
     assert command[command.index("--out") + 1] == "/fsx/runs/Ref::run_id/export"
     assert command[command.index("--s3-uri") + 1] == "Ref::export_s3_uri"

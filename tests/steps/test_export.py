@@ -152,3 +152,30 @@ def test_export_refuses_an_s3_uri_that_is_not_one_before_loading_the_model(tmp_p
     result = run_cli("export", "--checkpoint", tmp_path / "nope", "--out", tmp_path / "out", "--s3-uri", "artifacts/x")
     assert result.returncode == 78, result.stderr
     assert "--s3-uri 'artifacts/x': expected s3://bucket/prefix/" in result.stderr
+
+
+def test_export_of_a_pipeline_run_closes_its_mlflow_run_with_the_gate_metrics(
+        trained_run: Path, tmp_path: Path, monkeypatch) -> None:
+    """On AWS the Export job is the last Batch job of a run that passed the gate: with --run-dir it
+    logs its child run and closes the pipeline's MLflow run (file store in the run dir here)."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    from pipeline_steps import export, tracking
+
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "RANK", "AWS_BATCH_JOB_NODE_INDEX", "PIPELINE_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(tracking, "_warned", False)
+    (trained_run / "validation").mkdir(exist_ok=True)
+    (trained_run / "validation" / "gate.json").write_text(json.dumps({"passed": True, "metrics": {"recall@10": 0.75}}))
+    assert export.main(["--run-dir", str(trained_run), "--checkpoint", str(trained_run),
+                        "--out", str(trained_run / "export")]) == 0
+
+    client = MlflowClient(tracking_uri=(trained_run / "mlruns").resolve().as_uri())
+    runs = client.search_runs([client.get_experiment_by_name(tracking.DEFAULT_EXPERIMENT).experiment_id])
+    (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags
+                 and r.data.tags.get(tracking.RUN_ID_TAG) == trained_run.name]
+    assert parent.info.status == "FINISHED" and parent.data.tags[tracking.OUTCOME_TAG] == "exported"
+    assert parent.data.metrics["recall_at_10"] == 0.75
+    (child,) = [r for r in runs if r.info.run_name == "export"]
+    assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id

@@ -156,3 +156,23 @@ def test_mlflow_ui_serves_a_run_dirs_store(tmp_path, monkeypatch):
     assert json.loads(result.stdout.strip().splitlines()[-1]) == ["catalog-v1", "prepare"]
     cli = subprocess.run([sys.executable, "-m", "mlflow", "ui", "--help"], capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0 and "--backend-store-uri" in cli.stdout
+
+
+def _parent(run_dir):
+    client, runs = _runs(run_dir)
+    (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    return parent
+
+
+def test_a_step_failing_with_a_code_batch_does_not_retry_closes_the_pipeline_run_as_failed(tmp_path):
+    """On AWS nothing runs after such a step (the state machine takes its failure path), so the
+    failing step itself closes the pipeline's run; a retryable failure (75) leaves it open."""
+    run_dir = tmp_path / "r-fail"
+    run_dir.mkdir()
+    tracking.log_step("prepare", run_dir)
+    tracking.log_failure("train", run_dir, error="RetryableError: collective timed out", exit_code=75)
+    assert _parent(run_dir).info.status == "RUNNING"  # Batch retries the attempt
+    tracking.log_failure("train", run_dir, error="BadConfigError: checkpoint does not fit", exit_code=78)
+    parent = _parent(run_dir)
+    assert parent.info.status == "FAILED"
+    assert parent.data.tags[tracking.FAILED_STEP_TAG] == "train" and parent.data.tags[tracking.OUTCOME_TAG] == "failed"
