@@ -61,6 +61,7 @@ _MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
 _MAX_TAG_CHARS = 5000  # well under MLflow's limit on a tag value
 _MAX_HISTORY_POINTS = 1000  # per metric: a curve, not every step of a long run
 _PROCESS_START = time.time()  # the child run's start time (steps import this module first thing)
+_live_runs: dict[str, str] = {}  # step -> its child run opened by a MetricStream in this process
 _warned = False
 
 
@@ -235,10 +236,11 @@ def log_step(step: str, run_dir: Path, *, params: Mapping[str, Any] | None = Non
         return None
     try:
         repro = reproducibility(run_dir)
-        run = session.client.create_run(
-            session.experiment_id, run_name=step, start_time=int(_PROCESS_START * 1000),
-            tags={"mlflow.parentRunId": session.parent_id, RUN_ID_TAG: pipeline_run_id(run_dir), "step": step})
-        child = run.info.run_id
+        child = _live_runs.pop(step, None)
+        if child is None:
+            child = _create_child(session, step, run_dir)
+        else:
+            history = ()  # the curves were streamed while the step ran
         all_params = {**repro, **(params or {}), **{f"config.{k}": v for k, v in flatten(config or {}).items()}}
         session.log(child, params=all_params, metrics=metrics or {}, history=_thin(history))
         if config:
@@ -253,6 +255,42 @@ def log_step(step: str, run_dir: Path, *, params: Mapping[str, Any] | None = Non
     except Exception as exc:  # noqa: BLE001 - see _session
         _warn_once(f"logging step {step!r} to {session.uri}", exc)
         return None
+
+
+def _create_child(session: _Session, step: str, run_dir: Path) -> str:
+    run = session.client.create_run(
+        session.experiment_id, run_name=step, start_time=int(_PROCESS_START * 1000),
+        tags={"mlflow.parentRunId": session.parent_id, RUN_ID_TAG: pipeline_run_id(run_dir), "step": step})
+    return run.info.run_id
+
+
+class MetricStream:
+    """A step's metric curves streamed to its child run while the step runs: `log(step, values)`
+    sends the numeric `keys` of every `every`-th step (one log_batch call), opening the child run
+    (RUNNING) on the first call; the step's final `log_step` (or `log_failure`) completes that same
+    run. Values must already be host numbers (no device read here). Never raises: a tracking error
+    warns once and stops the stream (the run dir's metrics.jsonl keeps every step)."""
+
+    def __init__(self, step: str, run_dir: Path, *, every: int, keys: Iterable[str]) -> None:
+        self.step, self.run_dir, self.every, self.keys = step, Path(run_dir), max(1, int(every)), tuple(keys)
+        self._session: _Session | None = None
+        self._off = not is_logging_process()
+
+    def log(self, step: int, values: Mapping[str, Any]) -> None:
+        if self._off or step % self.every:
+            return
+        try:
+            if self._session is None:
+                self._session = _session(self.run_dir)
+                if self._session is None:
+                    self._off = True
+                    return
+                _live_runs[self.step] = _create_child(self._session, self.step, self.run_dir)
+            points = [(k, f, step) for k in self.keys if (f := _finite(values.get(k))) is not None]
+            self._session.log(_live_runs[self.step], history=points)
+        except Exception as exc:  # noqa: BLE001 - see _session
+            self._off = True
+            _warn_once(f"streaming {self.step!r} metrics to {tracking_uri(self.run_dir)}", exc)
 
 
 def log_failure(step: str, run_dir: Path, *, error: str, exit_code: int) -> str | None:

@@ -138,3 +138,27 @@ def test_non_finite_loss_stops_before_the_update_with_its_exit_code(tiny_run: Pa
     result = run_cli(*TRAIN, "--run-dir", tiny_run, "--backend", "cpu", "--lr", "1e12", "--max-steps", "30")
     assert result.returncode == ExitCode.NON_FINITE_LOSS, result.stderr[-3000:]
     assert "stopped before the optimizer step" in result.stderr
+
+
+def test_training_streams_its_curves_to_one_mlflow_child_run_every_log_every_steps(
+        tiny_prepared: Path, tmp_path: Path, monkeypatch) -> None:
+    """loss, lr and tokens/s reach the train child run every --log-every steps while training runs
+    (the same run the step completes at the end), not only once training is over."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the default store in the run dir
+    run_dir = tmp_path / "streamed"
+    shutil.copytree(tiny_prepared, run_dir)
+    env = {k: v for k, v in cli_env().items() if k not in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME")}
+    result = run_cli("train", "--run-dir", run_dir, "--preset", "tiny", "--backend", "cpu", "--max-steps", 4,
+                     "--log-every", 2, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    client = MlflowClient(tracking_uri=(run_dir / "mlruns").resolve().as_uri())
+    runs = client.search_runs([client.get_experiment_by_name("trainium-embeddings").experiment_id])
+    (train,) = [r for r in runs if r.info.run_name == "train" and r.data.tags.get("pipeline.run_id") == "streamed"]
+    assert train.info.status == "FINISHED"
+    for key in ("loss", "lr", "tokens_per_s"):
+        # (step 0: the end-of-training summary value of the same name, e.g. the mean tokens/s)
+        steps = [m.step for m in client.get_metric_history(train.info.run_id, key) if m.step > 0]
+        assert steps == [2, 4], key
