@@ -23,7 +23,7 @@ from pipeline_steps import cost as cost_lib
 
 # Batch states of the pipeline (stacks/constructs/training_pipeline.py STEPS), in order; job
 # names are the lower-cased state names. Multi-node ones run on the training instance type.
-BATCH_STATES: tuple[str, ...] = ("Prepare", "Sanity", "Compile", "Train", "Validate", "Embed")
+BATCH_STATES: tuple[str, ...] = ("Prepare", "Sanity", "Compile", "Train", "Validate", "Embed", "Export")
 MULTI_NODE_STATES = frozenset({"Sanity", "Compile", "Train"})
 DEFAULT_TRAINING_INSTANCE = "trn1.32xlarge"
 DEFAULT_SINGLE_NODE_INSTANCE = "trn1.2xlarge"

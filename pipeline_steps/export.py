@@ -15,7 +15,11 @@ mean Pooling -> Dense + GELU -> Dense -> Normalize, i.e. exactly the project's t
 
 Local:  python -m pipeline_steps export --checkpoint runs/demo --out runs/demo/export
 Use:    SentenceTransformer("runs/demo/export/query").encode(["red running shoes"])
-AWS:    single-node job after Embed (see docs/training.md, "Exporting the model").
+AWS:    the single-node job `Export` after Embed (docs/orchestration.md). With `--s3-uri` the step
+        uploads OUT to that prefix itself, every file first and the marker `_SUCCESS` last, so the
+        pointer models/current.json names a complete export as soon as the job succeeded (the FSx
+        auto-export to S3 is asynchronous). With `--run-dir` it is the pipeline's last Batch job:
+        it logs its child run and closes the pipeline's MLflow run (FINISHED, the gate's metrics).
 """
 
 from __future__ import annotations
@@ -32,12 +36,14 @@ from typing import Any
 import torch
 
 from .config import ModelConfig, from_dict
-from .errors import BadInputError
+from .errors import BadConfigError, BadInputError
 from .fileio import fsync_dir, sha256_file
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
+MARKER = "_SUCCESS"
+"""Written last under --s3-uri: its presence means every file of the export is in S3."""
 GELU = "torch.nn.modules.activation.GELU"
 IDENTITY = "torch.nn.modules.linear.Identity"
 PAD_ID = 0
@@ -230,14 +236,74 @@ def _replace_dir(new: Path, target: Path) -> None:
         shutil.rmtree(old)
 
 
+# ----------------------------------------------------------------------------- S3
+
+def upload(out: Path, s3_uri: str) -> list[str]:
+    """Upload every file under OUT to the prefix s3_uri (s3://bucket/prefix/), then the marker
+    `_SUCCESS` last; return the keys written. The marker of an earlier attempt is deleted first, so
+    a retried upload that stops half-way never leaves a marker over a mix of two attempts."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from .validate import _s3_client, _s3_error, _split_s3
+
+    bucket, prefix = _split_s3(s3_uri.rstrip("/") + "/" + MARKER)
+    prefix = prefix[: -len(MARKER)]
+    client = _s3_client()
+    keys = []
+    try:
+        client.delete_object(Bucket=bucket, Key=prefix + MARKER)
+        for path in sorted(p for p in Path(out).rglob("*") if p.is_file()):
+            key = prefix + path.relative_to(out).as_posix()
+            client.upload_file(str(path), bucket, key)
+            keys.append(key)
+        client.put_object(Bucket=bucket, Key=prefix + MARKER, Body=b"")
+    except (ClientError, BotoCoreError) as exc:
+        raise _s3_error(exc, s3_uri, "upload the export to") from exc
+    keys.append(prefix + MARKER)
+    log.info("export uploaded to s3://%s/%s (%d objects, %s last)", bucket, prefix, len(keys), MARKER)
+    return keys
+
+
+def finish_pipeline_run(run_dir: Path, report: dict[str, Any], out: Path, s3_uri: str | None) -> None:
+    """The export's child run, then the pipeline's MLflow run closed as FINISHED with the gate's
+    metrics (validation/gate.json): on AWS the export is the last Batch job of a run that passed
+    the gate. Tracking never fails the step."""
+    from . import tracking
+    from .fileio import read_json
+
+    gate_path = Path(run_dir) / "validation" / "gate.json"
+    metrics = (read_json(gate_path).get("metrics") or {}) if gate_path.is_file() else {}
+    tracking.log_step("export", Path(run_dir), params={
+        "checkpoint": report["checkpoint"], "checkpoint_sha256": report["checkpoint_sha256"],
+        "towers": ",".join(report["towers"]), "out": str(out), "s3_uri": s3_uri})
+    tracking.log_pipeline(Path(run_dir), metrics=metrics, status="FINISHED", tags={tracking.OUTCOME_TAG: "exported"})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline_steps export", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, type=Path,
                         help="a checkpoint .pt, or a run dir (its newest valid checkpoint)")
     parser.add_argument("--out", required=True, type=Path, help="output directory (replaced)")
+    parser.add_argument("--s3-uri", metavar="s3://BUCKET/PREFIX/",
+                        help="also upload OUT there (files first, the marker _SUCCESS last)")
+    parser.add_argument("--run-dir", type=Path,
+                        help="the pipeline run this export ends: log it and close the run's MLflow run")
     args = parser.parse_args(argv)
+    if args.s3_uri:
+        _check_s3_prefix(args.s3_uri)
     report = export(args.checkpoint, args.out)
     log.info("exported %s (step %s) to %s: %s; %s", report["checkpoint"], report["step"], args.out,
              ", ".join(report["towers"]), report["product_tower"])
+    if args.s3_uri:
+        upload(args.out, args.s3_uri)
+    if args.run_dir is not None:
+        finish_pipeline_run(args.run_dir, report, args.out, args.s3_uri)
     return 0
+
+
+def _check_s3_prefix(uri: str) -> None:
+    # Checked before the export, so a typo costs seconds, not a model load.
+    if not uri.startswith("s3://") or not uri[len("s3://"):].partition("/")[0]:
+        raise BadConfigError(f"--s3-uri {uri!r}: expected s3://bucket/prefix/ (e.g. "
+                             "s3://my-artifacts/runs/<run_id>/export/)")

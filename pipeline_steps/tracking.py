@@ -1,7 +1,16 @@
 """Experiment tracking (MLflow): one MLflow run per pipeline run, a child run per step.
 
 Every step calls `log_step(...)` once when it has written its outputs (a few lines per step, see
-the `# ---- tracking` blocks); run-local calls `log_pipeline(...)` with its report. Each child run
+the `# ---- tracking` blocks); run-local calls `log_pipeline(...)` with its report.
+
+The parent run is closed where the pipeline ends (`log_pipeline`), by the process that knows it:
+- success: the `export` step with `--run-dir` (the last Batch job on AWS) -> FINISHED, gate metrics;
+- a model the gate rejects: `validate --gate-report-only` -> FINISHED, tag pipeline.outcome=model_rejected;
+- a step that fails with an exit code Batch does not retry (anything but 75): `log_failure` -> FAILED,
+  tag pipeline.failed_step (the state machine then takes its failure path: no later step runs);
+- run-local: its report, at the end.
+A run that dies without its process reporting (host loss, attempt timeout, 75 after the last retry)
+stays RUNNING; the failure notification and the execution history name the step. Each child run
 gets the step's params and metrics plus the reproducibility set (`reproducibility()`): git commit,
 package versions (torch, torch-xla, torch-neuronx, neuronx-cc), image URI/digest, instance type,
 node count, world size, the data manifest hash (prepare.json `input_sha256`) and the resolved
@@ -36,6 +45,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from .errors import ExitCode
 from .fileio import atomic_write_json, read_json
 
 log = logging.getLogger(__name__)
@@ -43,12 +53,15 @@ log = logging.getLogger(__name__)
 DEFAULT_EXPERIMENT = "trainium-embeddings"
 RUN_ID_TAG = "pipeline.run_id"
 POINTER_FILE = "mlflow.json"
+OUTCOME_TAG = "pipeline.outcome"
+FAILED_STEP_TAG = "pipeline.failed_step"
 # A failed tracking call must cost seconds, not MLflow's default minutes of retries.
 _HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 _MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
 _MAX_TAG_CHARS = 5000  # well under MLflow's limit on a tag value
 _MAX_HISTORY_POINTS = 1000  # per metric: a curve, not every step of a long run
 _PROCESS_START = time.time()  # the child run's start time (steps import this module first thing)
+_live_runs: dict[str, str] = {}  # step -> its child run opened by a MetricStream in this process
 _warned = False
 
 
@@ -223,10 +236,11 @@ def log_step(step: str, run_dir: Path, *, params: Mapping[str, Any] | None = Non
         return None
     try:
         repro = reproducibility(run_dir)
-        run = session.client.create_run(
-            session.experiment_id, run_name=step, start_time=int(_PROCESS_START * 1000),
-            tags={"mlflow.parentRunId": session.parent_id, RUN_ID_TAG: pipeline_run_id(run_dir), "step": step})
-        child = run.info.run_id
+        child = _live_runs.pop(step, None)
+        if child is None:
+            child = _create_child(session, step, run_dir)
+        else:
+            history = ()  # the curves were streamed while the step ran
         all_params = {**repro, **(params or {}), **{f"config.{k}": v for k, v in flatten(config or {}).items()}}
         session.log(child, params=all_params, metrics=metrics or {}, history=_thin(history))
         if config:
@@ -243,23 +257,64 @@ def log_step(step: str, run_dir: Path, *, params: Mapping[str, Any] | None = Non
         return None
 
 
+def _create_child(session: _Session, step: str, run_dir: Path) -> str:
+    run = session.client.create_run(
+        session.experiment_id, run_name=step, start_time=int(_PROCESS_START * 1000),
+        tags={"mlflow.parentRunId": session.parent_id, RUN_ID_TAG: pipeline_run_id(run_dir), "step": step})
+    return run.info.run_id
+
+
+class MetricStream:
+    """A step's metric curves streamed to its child run while the step runs: `log(step, values)`
+    sends the numeric `keys` of every `every`-th step (one log_batch call), opening the child run
+    (RUNNING) on the first call; the step's final `log_step` (or `log_failure`) completes that same
+    run. Values must already be host numbers (no device read here). Never raises: a tracking error
+    warns once and stops the stream (the run dir's metrics.jsonl keeps every step)."""
+
+    def __init__(self, step: str, run_dir: Path, *, every: int, keys: Iterable[str]) -> None:
+        self.step, self.run_dir, self.every, self.keys = step, Path(run_dir), max(1, int(every)), tuple(keys)
+        self._session: _Session | None = None
+        self._off = not is_logging_process()
+
+    def log(self, step: int, values: Mapping[str, Any]) -> None:
+        if self._off or step % self.every:
+            return
+        try:
+            if self._session is None:
+                self._session = _session(self.run_dir)
+                if self._session is None:
+                    self._off = True
+                    return
+                _live_runs[self.step] = _create_child(self._session, self.step, self.run_dir)
+            points = [(k, f, step) for k in self.keys if (f := _finite(values.get(k))) is not None]
+            self._session.log(_live_runs[self.step], history=points)
+        except Exception as exc:  # noqa: BLE001 - see _session
+            self._off = True
+            _warn_once(f"streaming {self.step!r} metrics to {tracking_uri(self.run_dir)}", exc)
+
+
 def log_failure(step: str, run_dir: Path, *, error: str, exit_code: int) -> str | None:
     """A step that stopped with an error: a FAILED child run carrying the exit code and the error,
     so the MLflow UI shows where a pipeline run broke and why. Nothing when the run dir does not
     exist (the step failed before it had one: nothing to attach the run to)."""
     if not Path(run_dir).is_dir():
         return None
-    return log_step(step, Path(run_dir), params={"exit_code": exit_code}, status="FAILED", error=error)
+    child = log_step(step, Path(run_dir), params={"exit_code": exit_code}, status="FAILED", error=error)
+    if exit_code != ExitCode.RETRYABLE:  # the one code Batch retries; otherwise: the pipeline run ends here
+        log_pipeline(Path(run_dir), metrics={}, status="FAILED", tags={FAILED_STEP_TAG: step, OUTCOME_TAG: "failed"})
+    return child
 
 
 def log_pipeline(run_dir: Path, *, metrics: Mapping[str, Any], params: Mapping[str, Any] | None = None,
-                 status: str = "FINISHED", report: Mapping[str, Any] | None = None) -> str | None:
-    """Record the run-wide outcome on the parent run (run-local's report: metrics, cost)."""
+                 status: str = "FINISHED", report: Mapping[str, Any] | None = None,
+                 tags: Mapping[str, str] | None = None) -> str | None:
+    """Record the run-wide outcome on the parent run and close it with `status` (run-local's
+    report: metrics, cost; on AWS the step that ends the run, see the module docstring)."""
     session = _session(run_dir)
     if session is None:
         return None
     try:
-        session.log(session.parent_id, params=params or {}, metrics=metrics)
+        session.log(session.parent_id, params=params or {}, metrics=metrics, tags=tags or {})
         if report is not None:
             session.client.log_dict(session.parent_id, dict(report), "report.json")
         session.client.set_terminated(session.parent_id, status=status)

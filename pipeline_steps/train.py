@@ -43,6 +43,9 @@ from .progress import Progress
 from .watchdog import Watchdog
 
 log = logging.getLogger(__name__)
+# The curves of the MLflow child run: streamed every log_every steps while training runs (a
+# RUNNING run shows them), from values the loop already holds on the host.
+STREAMED_METRICS = ("loss", "lr", "tokens_per_s")
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -352,11 +355,12 @@ class Trainer:
 
 
 def run_training(trainer: Trainer, *, progress: bool = True, heartbeat: Heartbeat | None = None,
-                 watchdog: Watchdog | None = None) -> dict[str, Any]:
+                 watchdog: Watchdog | None = None, stream: tracking.MetricStream | None = None) -> dict[str, Any]:
     """Train to the end (or max_steps), checkpointing every N steps and at the end.
 
     `heartbeat` (rank 0) prints the CloudWatch EMF progress line the stuck-job alarm watches;
-    `watchdog` is told after every completed step and ends the process (exit 75) on a stall."""
+    `watchdog` is told after every completed step and ends the process (exit 75) on a stall;
+    `stream` (rank 0) sends the step record (host values only) to the MLflow child run."""
     cfg, world = trainer.cfg, trainer.world
     out_dir = trainer.run_dir / "train"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -377,6 +381,8 @@ def run_training(trainer: Trainer, *, progress: bool = True, heartbeat: Heartbea
                 if heartbeat is not None:
                     heartbeat.emit(step=out.step, loss=record["loss"], tokens_per_s=record["tokens_per_s"],
                                    epoch=record["epoch"])
+                if stream is not None:
+                    stream.log(out.step, record)
             if watchdog is not None:
                 watchdog.beat()
 
@@ -475,7 +481,9 @@ def main(argv: list[str] | None = None) -> int:
         with Watchdog(cfg.stall_timeout_s, "training step", startup_timeout_s=2 * cfg.stall_timeout_s) as watchdog, \
                 dist_lib.peer_failures_are_retryable(world, "training"):
             summary = run_training(trainer, progress=not args.no_progress,
-                                   heartbeat=Heartbeat() if world.is_main else None, watchdog=watchdog)
+                                   heartbeat=Heartbeat() if world.is_main else None, watchdog=watchdog,
+                                   stream=tracking.MetricStream("train", args.run_dir, every=cfg.log_every,
+                                                                keys=STREAMED_METRICS) if world.is_main else None)
         if world.is_main:
             log.info("done: step %d, loss %.4f, holdout loss %s, %.0f tokens/s", summary["steps"],
                      summary["final_loss"] or float("nan"), summary["holdout_loss"], summary["tokens_per_s"] or 0)
@@ -484,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
                 "train", args.run_dir, params={"preset": args.preset, "backend": world.backend,
                                                "world_size": world.world_size, "init_from": args.init_from},
                 metrics=tracking.flatten(summary), config={"train": to_dict(cfg)},
-                history=tracking.jsonl_history(args.run_dir / "train" / "metrics.jsonl", ("loss", "lr", "tokens_per_s")))
+                history=tracking.jsonl_history(args.run_dir / "train" / "metrics.jsonl", STREAMED_METRICS))
     finally:
         dist_lib.shutdown()
     return 0

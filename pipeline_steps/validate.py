@@ -540,6 +540,9 @@ def main(argv: list[str] | None = None) -> int:
         failed = "; ".join(r for r in gate["reasons"] if r.startswith("FAILED"))
         if args.gate_report_only:
             log.warning("quality gate failed (reported only, exit 0): %s", failed)
+            # The pipeline ends here (ModelRejected): close its MLflow run; never fails the step.
+            tracking.log_pipeline(args.run_dir, metrics=gate.get("metrics") or {}, status="FINISHED",
+                                  tags={tracking.OUTCOME_TAG: "model_rejected"})
             return 0
         raise GateFailedError(f"quality gate failed: {failed}; see {args.run_dir / 'validation/gate.json'}")
     return 0

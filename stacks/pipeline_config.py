@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 # Step Functions state names of the Batch steps, in pipeline order. The timeouts below and the
 # state machine construct share these names so a typo is a KeyError at synth, not a silent default.
-BATCH_STEPS: tuple[str, ...] = ("Prepare", "Sanity", "Compile", "Train", "Validate", "Embed")
+BATCH_STEPS: tuple[str, ...] = ("Prepare", "Sanity", "Compile", "Train", "Validate", "Embed", "Export")
 
 # Batch SubmitJob: schedulingPriorityOverride must be 0..9999 (higher = scheduled first).
 # https://docs.aws.amazon.com/batch/latest/APIReference/API_SubmitJob.html

@@ -1,7 +1,7 @@
 """AWS Batch job definitions for the pipeline steps.
 
 Multi-node (sanity, compile, train) on the training instance type; single-node (prepare, validate,
-embed as an array job, canary) on the small instance type. Device lists, NPROC_PER_NODE,
+embed as an array job, export, canary) on the small instance type. Device lists, NPROC_PER_NODE,
 INSTANCE_TYPE (what MLflow records and the cost is priced by) and the EFA environment come from the
 instance table (pipeline_steps/contract.py INSTANCE_TYPES, which `sanity` checks hosts against),
 never pasted. Compile and Train run one training command with one environment
@@ -109,6 +109,14 @@ SINGLE_NODE_STEPS: Mapping[str, tuple[list[str], dict[str, str]]] = {
         ["embed", "--run-dir", RUN_DIR, "--checkpoint", "Ref::checkpoint", "--shard-count", "Ref::shard_count"],
         {"checkpoint": "", "shard_count": ""},
     ),
+    # The published model in the sentence-transformers format, uploaded by the step itself to
+    # export_s3_uri (files first, the _SUCCESS marker last) because the FSx auto-export to S3 is
+    # asynchronous: the pointer written after this job names an export that is complete in S3.
+    # --run-dir: the last Batch job of a run that passed the gate closes the run's MLflow run.
+    "export": (
+        ["export", "--run-dir", RUN_DIR, "--checkpoint", RUN_DIR, "--out", f"{RUN_DIR}/export", "--s3-uri", "Ref::export_s3_uri"],
+        {"export_s3_uri": ""},
+    ),
     # The canary: node-local sanity on the small instance type, outside the exported /fsx/runs.
     "canary": (["sanity", "--run-dir", "/fsx/canary/Ref::run_id", "--fsx-path", FSX_MOUNT_POINT], {"run_id": "latest"}),
 }
@@ -153,7 +161,7 @@ def retry_strategies() -> list[batch.RetryStrategy]:
 
 class JobDefinitions(Construct):
     """Public attributes: job_definitions (dict step -> job definition; keys sanity, compile, train,
-    prepare, validate, embed, canary), job_role, execution_role, log_group."""
+    prepare, validate, embed, export, canary), job_role, execution_role, log_group."""
 
     def __init__(
         self,

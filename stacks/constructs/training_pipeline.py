@@ -1,5 +1,5 @@
 """The training pipeline state machine: input checks -> Prepare -> Sanity -> Compile -> Train ->
-Validate -> gate -> Embed -> conditional publish. docs/orchestration.md has the diagram and reasons.
+Validate -> gate -> Embed -> Export -> conditional publish. docs/orchestration.md has the diagram and reasons.
 
 Every Batch step is a raw-ASL `CustomState` on `arn:aws:states:::batch:submitJob.sync` because the
 CDK `BatchSubmitJob` task has no `ShareIdentifier` / `SchedulingPriorityOverride`, which every
@@ -47,6 +47,7 @@ BATCH_API_ERRORS: tuple[str, ...] = (
     "Batch.TooManyRequestsException",
 )
 CURRENT_MODEL_KEY = "models/current.json"
+EXPORT_PREFIX = "runs/{}/export/"  # the run id goes in; written by the Export job (--s3-uri)
 GATE_KEY_PATTERN = "runs/*/validation/gate.json"
 
 
@@ -66,6 +67,7 @@ STEPS: tuple[BatchStep, ...] = (
     BatchStep("Train", "train", True),
     BatchStep("Validate", "validate", False),
     BatchStep("Embed", "embed", False),
+    BatchStep("Export", "export", False),
 )
 
 
@@ -179,7 +181,7 @@ class TrainingPipeline(Construct):
             if later.name != "Embed":
                 batch_states[earlier.name].next(batch_states[later.name])
         batch_states["Validate"].next(self._gate(passed=batch_states["Embed"]))
-        batch_states["Embed"].next(self._publish())
+        batch_states["Export"].next(self._publish())
 
         self.log_group = logs.LogGroup(
             self, "ExecutionLogs",
@@ -197,7 +199,7 @@ class TrainingPipeline(Construct):
             tracing_enabled=True,
             logs=sfn.LogOptions(destination=self.log_group, level=sfn.LogLevel.ALL, include_execution_data=True),
             comment="Embedding model training: input checks -> Prepare -> Sanity -> Compile -> Train -> Validate "
-                    "-> gate -> Embed -> conditional publish",
+                    "-> gate -> Embed -> Export -> conditional publish",
         )
         self._grant(self.state_machine.role)
 
@@ -532,6 +534,9 @@ class TrainingPipeline(Construct):
                 "checkpoint.$": "States.Format('/fsx/runs/{}', $.run_id)",
                 "checkpoint_s3_uri.$": "States.Format('s3://" + bucket + "/runs/{}/checkpoints/', $.run_id)",
                 "embeddings_uri.$": "States.Format('/fsx/runs/{}/embeddings', $.run_id)",
+                # sentence-transformers folders (query/, product/, export.json), complete when
+                # <export_uri>_SUCCESS exists (the Export job writes it last).
+                "export_uri.$": self._export_uri(),
                 "metrics.$": "$.gate.report.metrics",  # the flat metric dict (validate reads it back)
                 "dataset.$": "$.run.dataset",
                 "data_version.$": "$.run.version",
@@ -552,6 +557,9 @@ class TrainingPipeline(Construct):
         return record, write
 
     # ---- helpers -------------------------------------------------------------------------------
+    def _export_uri(self) -> str:
+        return f"States.Format('s3://{self._bucket.bucket_name}/{EXPORT_PREFIX}', $.run_id)"
+
     def _raw(self, name: str, state_json: dict) -> sfn.CustomState:
         return sfn.CustomState(self, name, state_json=state_json)
 
@@ -631,6 +639,10 @@ class TrainingPipeline(Construct):
             params["ArrayProperties"] = {"Size.$": "$.run.embed_shards"}
             # Batch exposes only AWS_BATCH_JOB_ARRAY_INDEX; the shard count travels as a parameter.
             params["Parameters"]["shard_count.$"] = "States.Format('{}', $.run.embed_shards)"
+        if step.name == "Export":
+            # The step uploads the export itself (files, then the _SUCCESS marker), so the pointer
+            # written after it names a complete S3 copy; FSx auto-export would arrive later.
+            params["Parameters"]["export_s3_uri.$"] = self._export_uri()
         state = self._raw(step.name, {
             "Type": "Task",
             "Resource": "arn:aws:states:::batch:submitJob.sync",

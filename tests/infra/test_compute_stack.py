@@ -291,7 +291,7 @@ def test_multi_node_job_definitions(request, templates_fixture, efa, instance, s
     assert container["Command"][:3] == [step, "--run-dir", "/fsx/runs/Ref::run_id"]
 
 
-@pytest.mark.parametrize("step", ["sanity", "compile", "train", "prepare", "validate", "embed", "canary"])
+@pytest.mark.parametrize("step", ["sanity", "compile", "train", "prepare", "validate", "embed", "export", "canary"])
 def test_retry_strategy_and_timeouts(dev_templates, dev_config, step):
     job = _job_definition(dev_templates["compute"], step)
     assert job["RetryStrategy"] == {
@@ -306,7 +306,7 @@ def test_retry_strategy_and_timeouts(dev_templates, dev_config, step):
     assert job["Timeout"] == {"AttemptDurationSeconds": 3600 * hours.get(step, dev_config.compute.short_attempt_timeout_hours)}
 
 
-@pytest.mark.parametrize("step", ["prepare", "validate", "embed", "canary"])
+@pytest.mark.parametrize("step", ["prepare", "validate", "embed", "export", "canary"])
 def test_single_node_job_definitions(dev_templates, step):
     job = _job_definition(dev_templates["compute"], step)
     assert job["Type"] == "container"
@@ -350,6 +350,18 @@ def test_embed_takes_the_shard_count_as_a_parameter(dev_templates):
     assert embed["Parameters"]["shard_count"] == ""
 
 
+def test_export_writes_the_sentence_transformers_folders_beside_the_run_and_uploads_them(dev_templates):
+    """The run dir's newest checkpoint -> /fsx/runs/<run>/export, uploaded by the step itself to
+    the prefix the state machine passes (FSx auto-export to S3 is asynchronous)."""
+    export = _job_definition(dev_templates["compute"], "export")
+    command = _container(export)["Command"]
+    assert command[:3] == ["export", "--run-dir", "/fsx/runs/Ref::run_id"]  # closes the run's MLflow run
+    assert command[command.index("--checkpoint") + 1] == "/fsx/runs/Ref::run_id"
+    assert command[command.index("--out") + 1] == "/fsx/runs/Ref::run_id/export"
+    assert command[command.index("--s3-uri") + 1] == "Ref::export_s3_uri"
+    assert export["Parameters"] == {"export_s3_uri": ""}
+
+
 def test_device_list_helper():
     devices = device_list(INSTANCE_TYPES["trn1n.32xlarge"])
     assert len(devices) == 16 + 16
@@ -388,7 +400,7 @@ def test_no_public_ip_or_admin(dev_templates):
 
 
 # -- Experiment tracking (MLflow) --------------------------------------------------------------
-JOB_KEYS = ("sanity", "compile", "train", "prepare", "validate", "embed", "canary")
+JOB_KEYS = ("sanity", "compile", "train", "prepare", "validate", "embed", "export", "canary")
 MULTI_NODE_KEYS = ("sanity", "compile", "train")
 
 

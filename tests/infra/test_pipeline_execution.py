@@ -30,7 +30,7 @@ INPUT_CHECKS = ["PrepareInputChecks", "Check_dataset", "Check_version", "Check_d
                 "InputValid", "LocateData", "DataDepth", "DataPrefix_3", "ListData", "DataFound"]
 HAPPY_PATH = ["Defaults", "ApplyDefaults", *INPUT_CHECKS, "ReadCurrentModel", "NoProductionModel", "ApplyBaseline",
               "Prepare", "Sanity", "Compile", "Train", "Validate", "ReadGate", "GateReportValid", "GatePassed", "Embed",
-              "ReadPublishedModel", "PointerRecord", "Publish", "NotifyPublished", "Done"]
+              "Export", "ReadPublishedModel", "PointerRecord", "Publish", "NotifyPublished", "Done"]
 # Uploads the data bucket holds in every test (the runs' data_uri must exist).
 UPLOADS = ("catalog/v1", "catalog/v2", "catalog/v3")
 
@@ -141,9 +141,11 @@ def test_happy_path_visits_every_state_in_order_and_publishes(aws):
     assert pointer["run_id"] == "run-1" and pointer["checkpoint"] == "/fsx/runs/run-1"
     assert pointer["data_version"] == "v1" and pointer["metrics"] == {"recall@10": 0.5}
     assert pointer["checkpoint_s3_uri"] == f"s3://{ARTIFACTS}/runs/run-1/checkpoints/"
+    # The export the Export job uploaded itself (complete once its _SUCCESS marker exists).
+    assert pointer["export_uri"] == f"s3://{ARTIFACTS}/runs/run-1/export/"
     # Every submission carries the fair-share fields and the run parameters.
     steps = [s["jobName"] for s in aws.hooks.submitted]
-    assert steps == ["prepare", "sanity", "compile", "train", "validate", "embed"]
+    assert steps == ["prepare", "sanity", "compile", "train", "validate", "embed", "export"]
     for submit in aws.hooks.submitted:
         assert submit["shareIdentifier"] == "production" and submit["schedulingPriorityOverride"] == 50
         assert submit["parameters"]["run_id"] == "run-1"
@@ -154,6 +156,7 @@ def test_happy_path_visits_every_state_in_order_and_publishes(aws):
         assert by_name[multi]["nodeOverrides"] == {"numNodes": 2}
     assert by_name["embed"]["arrayProperties"] == {"size": 4}
     assert by_name["validate"]["parameters"]["gate_s3_uri"] == f"s3://{ARTIFACTS}/runs/run-1/validation/gate.json"
+    assert by_name["export"]["parameters"]["export_s3_uri"] == f"s3://{ARTIFACTS}/runs/run-1/export/"
     assert any("published" in n for n in aws.notifications())
 
 
@@ -210,7 +213,7 @@ def test_failing_gate_skips_embed_and_publish(aws):
     desc, visited = aws.run(aws.pipeline_arn, "run-4", data())
     assert desc["status"] == "SUCCEEDED"
     assert visited[-3:] == ["GatePassed", "NotifyGateFailed", "ModelRejected"]
-    assert "Embed" not in visited and "Publish" not in visited
+    assert "Embed" not in visited and "Export" not in visited and "Publish" not in visited
     with pytest.raises(aws.s3.exceptions.NoSuchKey):
         aws.s3.get_object(Bucket=ARTIFACTS, Key="models/current.json")
     assert any("quality gate" in n for n in aws.notifications())

@@ -51,9 +51,9 @@ def _happy_path(definition: dict) -> list[str]:
 def test_batch_states_in_pipeline_order_after_the_input_checks(definition):
     order = _happy_path(definition)
     batch = [n for n in order if n in {s.name for s in STEPS}]
-    assert batch == ["Prepare", "Sanity", "Compile", "Train", "Validate", "Embed"]
+    assert batch == ["Prepare", "Sanity", "Compile", "Train", "Validate", "Embed", "Export"]
     assert order.index("InputValid") < order.index("ListData") < order.index("ReadCurrentModel") < order.index("Prepare")
-    assert order.index("GatePassed") < order.index("Embed") < order.index("PublishReplacement")
+    assert order.index("GatePassed") < order.index("Embed") < order.index("Export") < order.index("PublishReplacement")
 
 
 def test_no_batch_job_is_reachable_without_passing_the_input_checks(definition):
@@ -120,6 +120,17 @@ def test_multi_node_steps_share_node_count_and_queue(definition):
     embed = definition["States"]["Embed"]["Parameters"]
     assert embed["ArrayProperties"] == {"Size.$": "$.run.embed_shards"}
     assert "gate_s3_uri.$" in definition["States"]["Validate"]["Parameters"]["Parameters"]
+
+
+def test_export_runs_after_embed_and_the_pointer_names_its_s3_upload(definition):
+    """The export reaches S3 from the Export job itself (--s3-uri), before any publish state runs,
+    and models/current.json names that prefix."""
+    states = definition["States"]
+    assert states["Embed"]["Next"] == "Export" and states["Export"]["Next"] == "ReadPublishedModel"
+    uri = f"States.Format('s3://{FAKE}/runs/{{}}/export/', $.run_id)"
+    assert states["Export"]["Parameters"]["Parameters"]["export_s3_uri.$"] == uri
+    for record in ("PointerRecord", "PointerRecordReplace"):
+        assert states[record]["Parameters"]["export_uri.$"] == uri
 
 
 def test_defaults_come_from_config_and_input_wins(definition):

@@ -55,6 +55,12 @@ def test_requirements_pin_the_mlflow_client_and_sagemaker_plugin():
     assert not any(r.lower().startswith("protobuf") for r in reqs)
 
 
+def test_image_has_safetensors_for_pretrained_encoders_and_the_export():
+    reqs = (IMAGE_DIR / "requirements.txt").read_text().splitlines()
+    assert "safetensors==0.8.0" in reqs
+    assert "safetensors" in (IMAGE_DIR / "Dockerfile").read_text().split("python -c", 1)[1].split("\n")[0]
+
+
 def test_image_asset_passes_the_commit_as_build_arg(tmp_path):
     """app.py's commit reaches `docker build --build-arg GIT_COMMIT=...` through the asset manifest."""
     import json as json_lib

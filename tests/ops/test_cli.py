@@ -150,7 +150,7 @@ def test_status_shows_timeline_jobs_nodes_and_cost(world, capsys):
     assert out["status"] == "SUCCEEDED" and out["end_state"] == "Done"
     assert [v["state"] for v in out["timeline"]][-4:] == ["PointerRecord", "Publish", "NotifyPublished", "Done"]
     jobs = {j["step"]: j for j in out["jobs"]}
-    assert list(jobs) == ["Prepare", "Sanity", "Compile", "Train", "Validate", "Embed"]
+    assert list(jobs) == ["Prepare", "Sanity", "Compile", "Train", "Validate", "Embed", "Export"]
     assert all(j["job_id"] and j["status"] == "SUCCEEDED" for j in jobs.values())
     assert jobs["Train"]["nodes"] == 3 and jobs["Train"]["instance_type"] == "trn1.32xlarge"
     assert jobs["Prepare"]["nodes"] == 1 and jobs["Prepare"]["instance_type"] == "trn1.2xlarge"

@@ -106,3 +106,75 @@ def test_export_replaces_an_earlier_export_and_refuses_a_missing_checkpoint(trai
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "run"]  # no staging leftovers
     result = run_cli("export", "--checkpoint", tmp_path / "nope", "--out", out)
     assert result.returncode == 65 and "does not exist" in result.stderr
+
+
+def test_s3_upload_writes_every_file_then_the_marker_and_a_failed_retry_leaves_no_marker(
+        trained_run: Path, tmp_path: Path, monkeypatch) -> None:
+    """The pointer names s3://.../export/ once the job succeeded: every file is there, _SUCCESS last."""
+    import boto3
+    import moto
+    from botocore.exceptions import EndpointConnectionError
+
+    from pipeline_steps import export
+
+    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(name, value)
+    out, prefix = tmp_path / "export", "runs/r1/export/"
+    with moto.mock_aws():
+        s3 = boto3.client("s3")
+        s3.create_bucket(Bucket="artifacts")
+        written: list[str] = []
+        put_object = s3.put_object  # upload_file of a small file is one put_object too
+        s3.put_object = lambda **kw: (written.append(kw["Key"]), put_object(**kw))[1]
+        monkeypatch.setattr("pipeline_steps.validate._s3_client", lambda: s3)
+        assert export.main(["--checkpoint", str(trained_run), "--out", str(out), "--s3-uri", f"s3://artifacts/{prefix}"]) == 0
+
+        local = sorted(prefix + p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+        assert sorted(written[:-1]) == local and written[-1] == prefix + export.MARKER  # the marker last
+        listed = sorted(o["Key"] for o in s3.list_objects_v2(Bucket="artifacts", Prefix=prefix)["Contents"])
+        assert listed == sorted([*local, prefix + export.MARKER])
+        report = json.loads(s3.get_object(Bucket="artifacts", Key=prefix + "export.json")["Body"].read())
+        assert report["towers"]["query"]["path"] == "query"
+
+        # A retried attempt that fails half-way leaves no marker from the earlier attempt.
+        def unreachable(*args, **kwargs):
+            raise EndpointConnectionError(endpoint_url="https://s3.us-east-1.amazonaws.com")
+
+        s3.upload_file = unreachable
+        with pytest.raises(Exception, match="upload the export"):
+            export.upload(out, f"s3://artifacts/{prefix}")
+        keys = {o["Key"] for o in s3.list_objects_v2(Bucket="artifacts", Prefix=prefix)["Contents"]}
+        assert prefix + export.MARKER not in keys
+
+
+def test_export_refuses_an_s3_uri_that_is_not_one_before_loading_the_model(tmp_path: Path) -> None:
+    result = run_cli("export", "--checkpoint", tmp_path / "nope", "--out", tmp_path / "out", "--s3-uri", "artifacts/x")
+    assert result.returncode == 78, result.stderr
+    assert "--s3-uri 'artifacts/x': expected s3://bucket/prefix/" in result.stderr
+
+
+def test_export_of_a_pipeline_run_closes_its_mlflow_run_with_the_gate_metrics(
+        trained_run: Path, tmp_path: Path, monkeypatch) -> None:
+    """On AWS the Export job is the last Batch job of a run that passed the gate: with --run-dir it
+    logs its child run and closes the pipeline's MLflow run (file store in the run dir here)."""
+    from mlflow.tracking import MlflowClient
+
+    from pipeline_steps import export, tracking
+
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "RANK", "AWS_BATCH_JOB_NODE_INDEX", "PIPELINE_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(tracking, "_warned", False)
+    (trained_run / "validation").mkdir(exist_ok=True)
+    (trained_run / "validation" / "gate.json").write_text(json.dumps({"passed": True, "metrics": {"recall@10": 0.75}}))
+    assert export.main(["--run-dir", str(trained_run), "--checkpoint", str(trained_run),
+                        "--out", str(trained_run / "export")]) == 0
+
+    client = MlflowClient(tracking_uri=(trained_run / "mlruns").resolve().as_uri())
+    runs = client.search_runs([client.get_experiment_by_name(tracking.DEFAULT_EXPERIMENT).experiment_id])
+    (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags
+                 and r.data.tags.get(tracking.RUN_ID_TAG) == trained_run.name]
+    assert parent.info.status == "FINISHED" and parent.data.tags[tracking.OUTCOME_TAG] == "exported"
+    assert parent.data.metrics["recall_at_10"] == 0.75
+    (child,) = [r for r in runs if r.info.run_name == "export"]
+    assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id

@@ -134,7 +134,7 @@ def test_mlflow_ui_serves_a_run_dirs_store(tmp_path, monkeypatch):
     import os
     import subprocess
 
-    server = pytest.importorskip("mlflow.server")
+    import mlflow.server as server
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     run_dir = tmp_path / "catalog-v1"
     run_dir.mkdir()
@@ -156,3 +156,65 @@ def test_mlflow_ui_serves_a_run_dirs_store(tmp_path, monkeypatch):
     assert json.loads(result.stdout.strip().splitlines()[-1]) == ["catalog-v1", "prepare"]
     cli = subprocess.run([sys.executable, "-m", "mlflow", "ui", "--help"], capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0 and "--backend-store-uri" in cli.stdout
+
+
+def _parent(run_dir):
+    client, runs = _runs(run_dir)
+    (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    return parent
+
+
+def test_a_step_failing_with_a_code_batch_does_not_retry_closes_the_pipeline_run_as_failed(tmp_path):
+    """On AWS nothing runs after such a step (the state machine takes its failure path), so the
+    failing step itself closes the pipeline's run; a retryable failure (75) leaves it open."""
+    run_dir = tmp_path / "r-fail"
+    run_dir.mkdir()
+    tracking.log_step("prepare", run_dir)
+    tracking.log_failure("train", run_dir, error="RetryableError: collective timed out", exit_code=75)
+    assert _parent(run_dir).info.status == "RUNNING"  # Batch retries the attempt
+    tracking.log_failure("train", run_dir, error="BadConfigError: checkpoint does not fit", exit_code=78)
+    parent = _parent(run_dir)
+    assert parent.info.status == "FAILED"
+    assert parent.data.tags[tracking.FAILED_STEP_TAG] == "train" and parent.data.tags[tracking.OUTCOME_TAG] == "failed"
+
+
+def test_metric_stream_shows_curves_on_a_running_child_that_the_final_log_step_completes(tmp_path):
+    run_dir = tmp_path / "r-stream"
+    run_dir.mkdir()
+    stream = tracking.MetricStream("train", run_dir, every=5, keys=("loss", "lr"))
+    for step in range(1, 13):
+        stream.log(step, {"loss": 1.0 / step, "lr": 0.001, "epoch": 0, "note": "host values only"})
+    client, runs = _runs(run_dir)
+    (live,) = [r for r in runs if r.info.run_name == "train"]
+    assert live.info.status == "RUNNING"  # visible while training runs
+    assert [m.step for m in client.get_metric_history(live.info.run_id, "loss")] == [5, 10]
+    assert "epoch" not in live.data.metrics
+
+    tracking.log_step("train", run_dir, metrics={"final_loss": 0.1}, history=[("loss", 9.0, 1)])
+    client, runs = _runs(run_dir)
+    (done,) = [r for r in runs if r.info.run_name == "train"]  # the same run, completed
+    assert done.info.run_id == live.info.run_id and done.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(done.info.run_id, "loss")] == [5, 10]
+
+
+def test_metric_stream_never_fails_training_and_only_rank_0_streams(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("RANK", "1")
+    tracking.MetricStream("train", tmp_path, every=1, keys=("loss",)).log(1, {"loss": 1.0})
+    assert not (tmp_path / "mlruns").exists()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # nothing listens on port 9
+    stream = tracking.MetricStream("train", tmp_path, every=1, keys=("loss",))
+    with caplog.at_level(logging.WARNING, logger="pipeline_steps.tracking"):
+        for step in range(1, 4):
+            stream.log(step, {"loss": 1.0})
+    assert len([r for r in caplog.records if "tracking disabled" in r.getMessage()]) == 1
+
+
+def test_a_step_failing_after_streaming_marks_its_streamed_run_failed(tmp_path):
+    run_dir = tmp_path / "r-stream-fail"
+    run_dir.mkdir()
+    tracking.MetricStream("train", run_dir, every=1, keys=("loss",)).log(1, {"loss": 2.0})
+    tracking.log_failure("train", run_dir, error="NonFiniteLossError: loss is nan", exit_code=80)
+    _, runs = _runs(run_dir)
+    (train,) = [r for r in runs if r.info.run_name == "train"]
+    assert train.info.status == "FAILED" and train.data.metrics["loss"] == 2.0

@@ -216,3 +216,26 @@ def test_explicit_gradient_all_reduce_clips_the_averaged_gradients_like_ddp(tiny
     expected, actual = final_weights(tiny_run), final_weights(explicit)
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_training_streams_its_curves_to_one_mlflow_child_run_every_log_every_steps(
+        tiny_prepared: Path, tmp_path: Path, monkeypatch) -> None:
+    """loss, lr and tokens/s reach the train child run every --log-every steps while training runs
+    (the same run the step completes at the end), not only once training is over."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the default store in the run dir
+    run_dir = tmp_path / "streamed"
+    shutil.copytree(tiny_prepared, run_dir)
+    env = {k: v for k, v in cli_env().items() if k not in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME")}
+    result = run_cli("train", "--run-dir", run_dir, "--preset", "tiny", "--backend", "cpu", "--max-steps", 4,
+                     "--log-every", 2, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    client = MlflowClient(tracking_uri=(run_dir / "mlruns").resolve().as_uri())
+    runs = client.search_runs([client.get_experiment_by_name("trainium-embeddings").experiment_id])
+    (train,) = [r for r in runs if r.info.run_name == "train" and r.data.tags.get("pipeline.run_id") == "streamed"]
+    assert train.info.status == "FINISHED"
+    for key in ("loss", "lr", "tokens_per_s"):
+        # (step 0: the end-of-training summary value of the same name, e.g. the mean tokens/s)
+        steps = [m.step for m in client.get_metric_history(train.info.run_id, key) if m.step > 0]
+        assert steps == [2, 4], key

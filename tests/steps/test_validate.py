@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -108,6 +109,15 @@ def test_previous_from_s3_and_gate_upload(trained_run: Path, monkeypatch):
                          "--gate-s3-uri", "s3://artifacts/runs/r1/validation/gate.json", "--gate-report-only") == 0
         uploaded = json.loads(s3.get_object(Bucket="artifacts", Key="runs/r1/validation/gate.json")["Body"].read())
         assert uploaded["passed"] is False and uploaded["previous"] == {"recall@10": 1.0, "ndcg@10": 1.0}
+        # A rejected model ends the pipeline (ModelRejected): validate closes its MLflow run.
+        if importlib.util.find_spec("mlflow") is not None:
+            from mlflow.tracking import MlflowClient
+
+            client = MlflowClient(tracking_uri=(trained_run / "mlruns").resolve().as_uri())
+            runs = client.search_runs([client.get_experiment_by_name("trainium-embeddings").experiment_id])
+            (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags
+                         and r.data.tags.get("pipeline.run_id") == trained_run.name]
+            assert parent.info.status == "FINISHED" and parent.data.tags["pipeline.outcome"] == "model_rejected"
         # A previous object that does not exist yet (the first production run) is not an error.
         assert validate.load_previous("s3://artifacts/models/none.json") is None
 
