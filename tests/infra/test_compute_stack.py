@@ -12,6 +12,7 @@ from aws_cdk.assertions import Annotations, Match, Template
 from infra_synth import TEST_ONLY_AMI_ID, stage_config
 from stacks.config import INSTANCE_TYPES, NEURON_AMI_SSM_PARAMETER, ComputeConfig, NeuronAmi, StageConfig
 from stacks.constructs.trainium_compute import neuron_machine_image
+from stacks.constructs.training_pipeline import STEPS
 from stacks.constructs.efa_launch_template import network_interfaces, node_boot_script
 from stacks.constructs.job_definitions import EFA_ENVIRONMENT, device_list
 
@@ -239,7 +240,7 @@ def test_every_submit_names_a_share_the_policy_defines(request, stage):
     assert {c["StringEquals"] for c in accept["Or"]} == defined
     assert states["Check_share"]["Default"] == "Invalid_share"
     submits = {n: s for n, s in states.items() if s.get("Resource") == "arn:aws:states:::batch:submitJob.sync"}
-    assert len(submits) == 6
+    assert set(submits) == {step.name for step in STEPS}
     for name, state in submits.items():
         params = state["Parameters"]
         assert params.get("ShareIdentifier.$") == "$.run.share" or params.get("ShareIdentifier") in defined, name
