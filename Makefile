@@ -21,11 +21,12 @@ STAGE ?= dev
 AZ_ID ?= use1-az6
 
 # torch==2.9.0 + torch-xla==2.9.0 (the last Neuron training image's versions) come from the
-# `local` extra; the PyPI wheel pulls ~7 GB of CUDA libraries once.
-$(STAMP): pyproject.toml
+# `local` extra; the PyPI wheel pulls ~7 GB of CUDA libraries once. The infra and ops libraries are
+# held at deploy-constraints.txt, so the tests check exactly the set `make cdk` deploys with.
+$(STAMP): pyproject.toml deploy-constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[local,infra,dev]'
+	$(PY) -m pip install --quiet -c deploy-constraints.txt -e '.[local,infra,dev]'
 	touch $(STAMP)
 
 venv: $(STAMP)
