@@ -611,24 +611,21 @@ def _common(suppress: bool) -> argparse.ArgumentParser:
     return common
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
-    return value
+def _positive(kind: type, what: str):
+    """An argparse type: `kind(text)` > 0, else a usage error (exit 2) saying `what` was expected."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = 0
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
-    return value
+_positive_int = _positive(int, "a whole number >= 1")
+_positive_float = _positive(float, "a number of seconds > 0")
 
 
 def _price(text: str) -> str:
