@@ -1,19 +1,123 @@
-"""Facts the infrastructure (stacks/) and the steps share: the Trainium instance table.
+"""The contract between the infrastructure (stacks/), the image (training_image/) and the steps.
 
-Pure Python, no torch: `cdk synth` imports it through stacks/config.py on machines without torch,
-and the steps read the same rows at run time. The launch templates' EFA interfaces, the job
-definitions' device lists, NPROC_PER_NODE and INSTANCE_TYPE, the user-data health checks and
-`sanity`'s expected device counts are all derived from `INSTANCE_TYPES`, so they cannot drift.
+Every fact two of those layers must agree on is written here once: the pipeline's steps, the FSx
+paths, the exit codes, the environment the job definitions set, the heartbeat metric names, the
+Trainium instance table and the AWS values the stage configs check. Pure Python, no torch:
+`cdk synth` imports it (through stacks/config.py) on machines without torch. The entrypoint
+(shell) keeps literal copies; tests/infra/test_training_image.py pins them against this module.
 """
 
 from __future__ import annotations
 
+import enum
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+# ---- Pipeline steps ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PipelineStep:
+    """One Batch step of the pipeline state machine."""
+
+    name: str
+    """The CLI step (`python -m pipeline_steps <name>`), job definition key and Batch job name."""
+    multi_node: bool
+    """A multi-node job on the training instance type; else single-node on the small one."""
+
+    @property
+    def state(self) -> str:
+        """Its Step Functions state name ("Train" for "train")."""
+        return self.name.capitalize()
+
+
+PIPELINE_STEPS: tuple[PipelineStep, ...] = (
+    PipelineStep("prepare", multi_node=False),
+    PipelineStep("sanity", multi_node=True),
+    PipelineStep("compile", multi_node=True),
+    PipelineStep("train", multi_node=True),
+    PipelineStep("validate", multi_node=False),
+    PipelineStep("embed", multi_node=False),
+    PipelineStep("export", multi_node=False),
+)
+"""In pipeline order. Read by the state machine, the job definitions and `trainium-runs`."""
+
+CANARY_JOB = "canary"
+"""Job definition key (and Batch job name) of the scheduled sanity canary; not a pipeline state."""
+
+# ---- FSx for Lustre paths ------------------------------------------------------------------------
+
+FSX_MOUNT_POINT = "/fsx"
+"""Where the user data mounts FSx on every node and the job definitions bind-mount it."""
+FSX_DATA = f"{FSX_MOUNT_POINT}/data"
+"""Linked to the data bucket's root (FSx data repository association); the steps read input here."""
+FSX_RUNS = f"{FSX_MOUNT_POINT}/runs"
+"""Linked to the artifacts bucket's RUNS_PREFIX; every run's directory is FSX_RUNS/<run id>."""
+FSX_CANARY = f"{FSX_MOUNT_POINT}/canary"
+"""The canary's run directories: on FSx, outside the exported FSX_RUNS."""
+RUNS_PREFIX = "runs/"
+"""Key prefix in the artifacts bucket that FSX_RUNS is linked to (the state machine reads it)."""
+INCOMING_PREFIX = "incoming/"
+"""Key prefix of uploads in the data bucket (PipelineConfig.incoming_prefix's default)."""
+FSX_INCOMING = f"{FSX_DATA}/{INCOMING_PREFIX.rstrip('/')}"
+"""Uploads as the steps see them: FSX_INCOMING/<dataset>/<version>."""
+
+# ---- Exit codes ----------------------------------------------------------------------------------
+
+
+class ExitCode(enum.IntEnum):
+    """Process exit codes of `python -m pipeline_steps <step>` (values follow BSD sysexits where one
+    fits). The job definitions' retry strategies retry RETRYABLE only; the entrypoint exits BAD_CONFIG
+    on a bad command line; the README documents the table."""
+
+    OK = 0
+    INTERNAL = 1  # a bug: unexpected exception, traceback printed; not retried
+    USAGE = 2  # argparse's own code for a bad command line
+    BAD_INPUT = 65  # EX_DATAERR: malformed data, too many bad records, missing input; not retried
+    RETRYABLE = 75  # EX_TEMPFAIL: device/collective health failure, stuck-step watchdog; Batch retries
+    BAD_CONFIG = 78  # EX_CONFIG: invalid flags/config, incompatible checkpoint; not retried
+    GATE_FAILED = 79  # the new model failed the holdout quality gate; the current model stays
+    NON_FINITE_LOSS = 80  # loss became NaN/Inf; stopped before the optimizer step; not retried
+
+
+# ---- Batch parameters and container environment --------------------------------------------------
+
+RUN_ID_PARAMETER = "run_id"
+"""Batch parameter with the run id (= execution name): `--run-dir FSX_RUNS/Ref::run_id` in the job
+definitions, set by the state machine, read from job events by the stall watchdog."""
 INSTANCE_TYPE_ENV = "INSTANCE_TYPE"
-"""Set by every job definition to its instance type (a key of INSTANCE_TYPES)."""
+"""Set by every job definition to its instance type (a key of INSTANCE_TYPES); sanity and MLflow read it."""
+NPROC_PER_NODE_ENV = "NPROC_PER_NODE"
+"""Set by every job definition to the NeuronCores per node; the entrypoint's torchrun --nproc_per_node."""
+RDZV_TIMEOUT_ENV = "TORCHRUN_RDZV_TIMEOUT_SECONDS"
+"""Set by the compute stack (PipelineConfig.startup_minutes); the entrypoint's torchrun rendezvous bound."""
+STAGE_ENV = "PIPELINE_STAGE"
+"""Set by the compute stack to the stage name; the heartbeat's Stage dimension."""
+RUN_ID_ENV = "PIPELINE_RUN_ID"
+"""Exported by the entrypoint (basename of --run-dir); the heartbeat's RunId and MLflow's run tag."""
+EXIT_CODE_FILE_ENV = "PIPELINE_EXIT_CODE_FILE"
+"""Exported by the entrypoint for torchrun steps: where the first failing rank records its ExitCode."""
+COMPILE_CACHE_BASE_ENV = "NEURON_COMPILE_CACHE_URL_BASE"
+"""Set by the compute stack to the S3 compile cache; pipeline_steps.distributed derives the cache URL."""
+
+# ---- Heartbeat metrics (CloudWatch EMF) ----------------------------------------------------------
+
+HEARTBEAT_NAMESPACE = "TrainiumEmbeddings"
+"""Namespace pipeline_steps.heartbeat publishes in; the stall alarm and the dashboard read it."""
+HEARTBEAT_STEP_METRIC = "TrainStep"
+"""The optimizer step just completed: the progress the stall alarm watches."""
+HEARTBEAT_LOSS_METRIC = "TrainLoss"
+"""Training loss of that step (dashboard, `trainium-runs status`)."""
+HEARTBEAT_THROUGHPUT_METRIC = "TokensPerSecond"
+"""Training throughput of all ranks (dashboard, `trainium-runs status`)."""
+HEARTBEAT_STAGE_DIMENSION = "Stage"
+"""Dimension with the stage name (STAGE_ENV)."""
+HEARTBEAT_RUN_DIMENSION = "RunId"
+"""Dimension with the run id (RUN_ID_ENV); the per-job stall alarm filters on it."""
+
+# ---- Trainium instance table ---------------------------------------------------------------------
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +150,13 @@ INSTANCE_TYPES: Mapping[str, InstanceSpec] = MappingProxyType(
         ),
     }
 )
+"""Launch templates' EFA interfaces, job definitions' devices and NPROC_PER_NODE, user-data checks,
+`sanity`'s expected device counts."""
+
+DEFAULT_TRAINING_INSTANCE_TYPE = "trn1.32xlarge"
+"""ComputeConfig's default for multi-node steps; `trainium-runs` assumes it when a stack has no output."""
+DEFAULT_SINGLE_NODE_INSTANCE_TYPE = "trn1.2xlarge"
+"""ComputeConfig's default for single-node steps and the canary; `trainium-runs` likewise."""
 
 
 def instance_spec(name: str, where: str) -> InstanceSpec:
@@ -57,3 +168,14 @@ def instance_spec(name: str, where: str) -> InstanceSpec:
             "(EFA interfaces, Neuron devices/cores, vCPUs, memory)."
         )
     return INSTANCE_TYPES[name]
+
+
+# ---- AWS values the stage configs check ----------------------------------------------------------
+
+SHARE_IDENTIFIER_RE = re.compile(r"^[A-Za-z0-9_]{1,255}$")
+"""A Batch fair-share identifier (ComputeConfig's shares, PipelineConfig's production/experiments
+shares): https://docs.aws.amazon.com/batch/latest/APIReference/API_ShareAttributes.html"""
+LOG_RETENTION_DAYS: tuple[int, ...] = (1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1827, 3653)
+"""Log retentions a stage may configure (every *log_retention_days): values CloudWatch Logs accepts
+(https://docs.aws.amazon.com/AmazonCloudWatchLogs/latest/APIReference/API_PutRetentionPolicy.html)
+that stacks/constructs/retention.py maps to CDK's RetentionDays."""

@@ -42,6 +42,7 @@ import pyarrow.parquet as pq
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from .config import DataConfig, from_dict
+from .contract import FSX_INCOMING
 from .errors import BadInputError
 from .fileio import atomic_path, atomic_write_json, read_json
 
@@ -139,7 +140,7 @@ def list_input_files(path: str | Path) -> list[Path]:
     p = Path(path)
     if not p.exists():
         raise BadInputError(f"input path {p} does not exist; check the path (on AWS: the upload's "
-                            f"prefix under /fsx/data/incoming/)")
+                            f"prefix under {FSX_INCOMING}/)")
     if p.is_file():
         input_format(p)
         return [p]

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .contract import COMPILE_CACHE_BASE_ENV
 from .errors import BadConfigError, RetryableError
 
 BACKENDS = ("cpu", "cuda", "xla")
@@ -403,7 +404,7 @@ def initialize_compile_cache(world: World, path: str) -> None:
         _compile_cache_open = True
 
 
-NEURON_CACHE_BASE_ENV = "NEURON_COMPILE_CACHE_URL_BASE"
+NEURON_CACHE_BASE_ENV = COMPILE_CACHE_BASE_ENV
 
 
 def neuron_cache_url(base: str | None) -> str | None:

@@ -1,28 +1,17 @@
-"""The exit-code table and the error types that map onto it.
+"""The error types that map onto the exit-code table (`ExitCode`, defined in pipeline_steps/contract.py).
 
-Exit codes are part of the interface: AWS Batch retry strategies (`evaluateOnExit` in the job
-definitions) and the Step Functions state machine act on them, and the README documents them.
 Every step raises one of the `StepError` subclasses below for an expected failure; the CLI
 (`pipeline_steps.__main__`) turns it into a one-line message and the matching exit code.
 """
 
 from __future__ import annotations
 
-import enum
 import os
 
+from .contract import EXIT_CODE_FILE_ENV, ExitCode
 
-class ExitCode(enum.IntEnum):
-    """Process exit codes of `python -m pipeline_steps <step>` (values follow BSD sysexits where one fits)."""
-
-    OK = 0
-    INTERNAL = 1  # a bug: unexpected exception, traceback printed; not retried
-    USAGE = 2  # argparse's own code for a bad command line
-    BAD_INPUT = 65  # EX_DATAERR: malformed data, too many bad records, missing input; not retried
-    RETRYABLE = 75  # EX_TEMPFAIL: device/collective health failure, stuck-step watchdog; Batch retries
-    BAD_CONFIG = 78  # EX_CONFIG: invalid flags/config, incompatible checkpoint; not retried
-    GATE_FAILED = 79  # the new model failed the holdout quality gate; the current model stays
-    NON_FINITE_LOSS = 80  # loss became NaN/Inf; stopped before the optimizer step; not retried
+__all__ = ["EXIT_CODE_FILE_ENV", "BadConfigError", "BadInputError", "ExitCode", "GateFailedError", "NonFiniteLossError",
+           "RetryableError", "StepError", "record_exit_code"]
 
 
 class StepError(Exception):
@@ -49,9 +38,6 @@ class GateFailedError(StepError):
 
 class NonFiniteLossError(StepError, FloatingPointError):
     exit_code = ExitCode.NON_FINITE_LOSS
-
-
-EXIT_CODE_FILE_ENV = "PIPELINE_EXIT_CODE_FILE"
 
 
 def record_exit_code(code: int, environ: "os._Environ[str] | dict[str, str] | None" = None) -> None:

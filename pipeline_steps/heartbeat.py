@@ -5,7 +5,8 @@ Why: a hung collective never fails by itself, and a frozen process cannot run it
 awslogs driver ships stdout to CloudWatch Logs, which extracts the metrics (no agent, no boto3,
 no extra dependency on the node), and an alarm fires when `TrainStep` of this run stops arriving.
 
-The metric contract (the orchestration stack's alarms and dashboard use exactly these names):
+The metric contract (names from pipeline_steps/contract.py, which the stall alarm and the
+dashboard read too):
 
     Namespace   TrainiumEmbeddings
     Dimensions  [["Stage"], ["Stage", "RunId"]]
@@ -40,7 +41,8 @@ Call it from rank 0 only (one series per job), e.g. every step or every N steps:
     heartbeat = Heartbeat()                       # reads the environment once
     heartbeat.emit(step=120, loss=0.41, tokens_per_s=183000.0, epoch=1)
 
-Dependency-free (standard library only) on purpose: it runs inside the training image.
+Dependency-free (standard library and the pure-Python contract) on purpose: it runs inside the
+training image.
 """
 
 from __future__ import annotations
@@ -53,22 +55,24 @@ import threading
 import time
 from typing import Any, Mapping, TextIO
 
-NAMESPACE = "TrainiumEmbeddings"
-DIMENSION = "Stage"
-RUN_ID_DIMENSION = "RunId"
+from . import contract
+
+NAMESPACE = contract.HEARTBEAT_NAMESPACE
+DIMENSION = contract.HEARTBEAT_STAGE_DIMENSION
+RUN_ID_DIMENSION = contract.HEARTBEAT_RUN_DIMENSION
 # Per stage and per run (module docstring); the stall alarm uses the second.
 DIMENSION_SETS: tuple[tuple[str, ...], ...] = ((DIMENSION,), (DIMENSION, RUN_ID_DIMENSION))
-METRIC_STEP = "TrainStep"
-METRIC_LOSS = "TrainLoss"
-METRIC_TOKENS_PER_S = "TokensPerSecond"
+METRIC_STEP = contract.HEARTBEAT_STEP_METRIC
+METRIC_LOSS = contract.HEARTBEAT_LOSS_METRIC
+METRIC_TOKENS_PER_S = contract.HEARTBEAT_THROUGHPUT_METRIC
 # (name, CloudWatch unit) in the order they appear in every line.
 METRICS: tuple[tuple[str, str], ...] = (
     (METRIC_STEP, "Count"),
     (METRIC_LOSS, "None"),
     (METRIC_TOKENS_PER_S, "Count/Second"),
 )
-ENV_STAGE = "PIPELINE_STAGE"
-ENV_RUN_ID = "PIPELINE_RUN_ID"
+ENV_STAGE = contract.STAGE_ENV
+ENV_RUN_ID = contract.RUN_ID_ENV
 ENV_FORCE = "PIPELINE_HEARTBEAT"
 DEFAULT_STAGE = "local"
 DEFAULT_RUN_ID = "local"

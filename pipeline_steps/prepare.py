@@ -45,6 +45,7 @@ import pyarrow.parquet as pq
 
 from . import data as D
 from .config import DataConfig, get_preset, to_dict
+from .contract import FSX_INCOMING
 from .errors import BadConfigError, BadInputError, StepError
 from . import tracking, upload
 from .fileio import atomic_path, atomic_write_bytes, atomic_write_json, sha256_file
@@ -98,7 +99,7 @@ class Quarantine:
 def _data_dir_inputs(data_dir: Path) -> tuple[list[Path], list[Path]]:
     if not data_dir.exists():
         raise BadInputError(f"--data {data_dir} does not exist; check the path (on AWS: "
-                            f"/fsx/data/incoming/<dataset>/<version>)")
+                            f"{FSX_INCOMING}/<dataset>/<version>)")
     if not data_dir.is_dir():
         raise BadInputError(f"--data expects a directory holding products/ and pairs/; for single files "
                             f"use --products FILE --pairs FILE")

@@ -61,7 +61,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from . import distributed, tracking
-from .contract import INSTANCE_TYPE_ENV, INSTANCE_TYPES, InstanceSpec
+from .contract import INSTANCE_TYPE_ENV, INSTANCE_TYPES, NPROC_PER_NODE_ENV, InstanceSpec
 from .errors import BadConfigError, ExitCode, RetryableError
 from .fileio import atomic_write_json, read_json
 from .watchdog import Watchdog
@@ -153,9 +153,9 @@ def expected_world_size(flag: int | None, environ: Mapping[str, str]) -> tuple[i
     """The world size a healthy launch must have, and where that number came from."""
     if flag is not None:
         return flag, "--expect-world-size"
-    nodes, nproc = environ.get("AWS_BATCH_JOB_NUM_NODES"), environ.get("NPROC_PER_NODE")
+    nodes, nproc = environ.get("AWS_BATCH_JOB_NUM_NODES"), environ.get(NPROC_PER_NODE_ENV)
     if nodes and nproc:
-        return int(nodes) * int(nproc), "AWS_BATCH_JOB_NUM_NODES x NPROC_PER_NODE"
+        return int(nodes) * int(nproc), f"AWS_BATCH_JOB_NUM_NODES x {NPROC_PER_NODE_ENV}"
     if environ.get("WORLD_SIZE"):
         return int(environ["WORLD_SIZE"]), "WORLD_SIZE (torchrun)"
     return 1, "single process (no torchrun, no AWS Batch multi-node variables)"

@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from .contract import INSTANCE_TYPE_ENV, RUN_ID_ENV
 from .errors import ExitCode
 from .fileio import atomic_write_json, read_json
 
@@ -87,7 +88,7 @@ def tracking_uri(run_dir: Path, environ: Mapping[str, str] = os.environ) -> str:
 
 
 def pipeline_run_id(run_dir: Path, environ: Mapping[str, str] = os.environ) -> str:
-    return environ.get("PIPELINE_RUN_ID") or Path(run_dir).resolve().name
+    return environ.get(RUN_ID_ENV) or Path(run_dir).resolve().name
 
 
 # ---- what is logged ----------------------------------------------------------------------------
@@ -124,7 +125,7 @@ def reproducibility(run_dir: Path, environ: Mapping[str, str] = os.environ) -> d
         "image_uri": environ.get("TRAINING_IMAGE_URI"),
         "image_digest": environ.get("TRAINING_IMAGE_DIGEST"),
         # INSTANCE_TYPE is set by the job definition from the instance table; IMDS stays untouched.
-        "instance_type": environ.get("INSTANCE_TYPE") or ("local" if "AWS_BATCH_JOB_ID" not in environ else None),
+        "instance_type": environ.get(INSTANCE_TYPE_ENV) or ("local" if "AWS_BATCH_JOB_ID" not in environ else None),
         "num_nodes": environ.get("AWS_BATCH_JOB_NUM_NODES", "1"),
         "world_size": environ.get("WORLD_SIZE", "1"),
         "batch_job_id": environ.get("AWS_BATCH_JOB_ID"),

@@ -4,6 +4,7 @@ entrypoint.sh run as a bash script with AWS Batch-like variables (fake torchrun/
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -14,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from infra_synth import REPO_ROOT
+from pipeline_steps import contract
+from pipeline_steps.contract import ExitCode
 from stacks.constructs.training_image import BUILD_CONTEXT_EXCLUDE
 
 IMAGE_DIR = REPO_ROOT / "training_image"
@@ -171,13 +174,32 @@ def test_empty_optional_flags_are_dropped(fake_bin):
 
 def test_unsubstituted_parameter_is_a_config_error(fake_bin):
     result = _run(fake_bin, ["train", "--run-dir", "/fsx/runs/Ref::run_id"], {})
-    assert result.returncode == 78
+    assert result.returncode == ExitCode.BAD_CONFIG
     assert "unsubstituted Batch parameter" in result.stderr
 
 
 def test_missing_nproc_is_a_config_error(fake_bin):
     result = _run(fake_bin, ["train", "--run-dir", "/fsx/runs/r"], {"NPROC_PER_NODE": ""})
-    assert result.returncode == 78 and "NPROC_PER_NODE" in result.stderr
+    assert result.returncode == ExitCode.BAD_CONFIG and "NPROC_PER_NODE" in result.stderr
+
+
+def _shell_code(path: Path) -> str:
+    """A shell script without its comment lines: what it runs, not what it says."""
+    return "\n".join(line for line in path.read_text().splitlines() if not line.lstrip().startswith("#"))
+
+
+def test_entrypoint_shell_copies_match_the_contract():
+    """entrypoint.sh cannot import pipeline_steps.contract, so its literal copies are pinned here:
+    its config-error exit code, the variables the job definitions and the steps share with it, and
+    the steps it runs under torchrun (multi-node pipeline steps)."""
+    code = _shell_code(ENTRYPOINT)
+    assert re.findall(r"^readonly EX_CONFIG=(\d+)\b", code, re.M) == [str(int(ExitCode.BAD_CONFIG))]
+    for name in (contract.NPROC_PER_NODE_ENV, contract.RDZV_TIMEOUT_ENV, contract.RUN_ID_ENV,
+                 contract.EXIT_CODE_FILE_ENV):
+        assert re.search(rf"\$\{{?{name}\b", code), f"entrypoint.sh no longer reads ${name}"
+    (torchrun_case,) = re.findall(r"^\s*([a-z |-]+)\)\n\s*if run_torchrun", code, re.M)
+    torchrun_steps = {step.strip() for step in torchrun_case.split("|")}
+    assert torchrun_steps <= {step.name for step in contract.PIPELINE_STEPS if step.multi_node}, torchrun_steps
 
 
 def test_entrypoint_is_strict_and_has_no_sysctl():
@@ -262,7 +284,7 @@ def test_rendezvous_timeout_comes_from_the_job_definition_env(fake_bin):
     out = _out(_run(fake_bin, ["train", "--run-dir", "/fsx/runs/r1"], env))
     assert out["TORCHRUN_ARGS"].endswith(" --master_port 29500 --rdzv_conf timeout=1800")
     bad = _run(fake_bin, ["train", "--run-dir", "/fsx/runs/r1"], {**env, "TORCHRUN_RDZV_TIMEOUT_SECONDS": "30m"})
-    assert bad.returncode == 78 and "TORCHRUN_RDZV_TIMEOUT_SECONDS='30m' must be a positive integer" in bad.stderr
+    assert bad.returncode == ExitCode.BAD_CONFIG and "TORCHRUN_RDZV_TIMEOUT_SECONDS='30m' must be a positive integer" in bad.stderr
 
 
 def test_torchrun_static_rendezvous_takes_the_timeout():
