@@ -47,13 +47,11 @@ _AZ_ID_HOWTO = (
     "--location-type availability-zone-id --filters Name=instance-type,Values=<type> --region <region> "
     "--query 'InstanceTypeOfferings[].Location'` and pass one with `-c training_az_id=<zone id>`."
 )
-_SHARE_RE = re.compile(r"^[A-Za-z0-9_]{1,255}$")
 _VERSION_RE = re.compile(r"^\d+(\.\d+){1,3}$")
 # FSx for Lustre PERSISTENT_2: storage 1200 GiB or a multiple of 2400 GiB; throughput per TiB one
 # of 125/250/500/1000 MB/s. https://docs.aws.amazon.com/fsx/latest/APIReference/API_CreateFileSystem.html
 _FSX_P2_THROUGHPUTS = (125, 250, 500, 1000)
-# Retention values CloudWatch Logs accepts (PutRetentionPolicy).
-LOG_RETENTION_DAYS = (1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1827, 3653)
+LOG_RETENTION_DAYS = contract.LOG_RETENTION_DAYS
 
 
 def zone_id_prefix(region: str) -> str | None:
@@ -220,7 +218,7 @@ class CapacityReservation:
 class ComputeConfig:
     """AWS Batch compute environments, queues and job definitions."""
 
-    training_instance_type: str = "trn1.32xlarge"
+    training_instance_type: str = contract.DEFAULT_TRAINING_INSTANCE_TYPE
     max_nodes: int = 4
     """Largest multi-node job (and the CE's max vCPUs = vCPUs x max_nodes). The account's Running
     On-Demand Trn instances quota (vCPUs, per region) must cover `training_vcpus_needed`."""
@@ -228,7 +226,7 @@ class ComputeConfig:
     """Launch the training nodes into this reserved capacity (ODCR or Capacity Block); None = plain
     On-Demand, where a launch can fail for insufficient capacity (the job then waits RUNNABLE until
     runnable_timeout_minutes cancels it)."""
-    single_node_instance_type: str = "trn1.2xlarge"
+    single_node_instance_type: str = contract.DEFAULT_SINGLE_NODE_INSTANCE_TYPE
     single_node_max_instances: int = 4
     neuron_ami_ids: Mapping[str, str] = field(default_factory=dict)
     """Region -> pinned ECS-optimized AL2023 Neuron AMI id. The stages read it from the committed
@@ -309,7 +307,7 @@ class ComputeConfig:
         if len(set(ids)) != len(ids):
             raise ValueError(f"ComputeConfig.shares: duplicate share identifiers {ids}.")
         for s in self.shares:
-            if not _SHARE_RE.match(s.identifier):
+            if not contract.SHARE_IDENTIFIER_RE.match(s.identifier):
                 raise ValueError(f"ComputeConfig.shares: {s.identifier!r} must be 1-255 letters, digits or '_'.")
             if not 0.0001 <= s.weight <= 999.9999:
                 raise ValueError(f"ComputeConfig.shares: weight of {s.identifier!r} must be in 0.0001..999.9999.")

@@ -13,15 +13,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-# Step Functions state names of the Batch steps, in pipeline order. The timeouts below and the
-# state machine construct share these names so a typo is a KeyError at synth, not a silent default.
-BATCH_STEPS: tuple[str, ...] = ("Prepare", "Sanity", "Compile", "Train", "Validate", "Embed", "Export")
+from pipeline_steps import contract
 
 # Batch SubmitJob: schedulingPriorityOverride must be 0..9999 (higher = scheduled first).
 # https://docs.aws.amazon.com/batch/latest/APIReference/API_SubmitJob.html
 _MAX_PRIORITY = 9999
-# Batch share identifiers: up to 255 letters, digits and underscores (fair-share policy rules).
-_SHARE_RE = re.compile(r"^[A-Za-z0-9_]{1,255}$")
 # Step Functions retriers: MaxDelaySeconds must be < 31622400 (one year); keep it sane instead.
 _MAX_RETRY_DELAY_SECONDS = 3600
 _EMAIL_RE = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$")
@@ -93,7 +89,7 @@ class PipelineConfig:
     trigger_enabled: bool = True
     """Start a run when `incoming/<dataset>/<version>/_SUCCESS` is created in the data bucket."""
 
-    incoming_prefix: str = "incoming/"
+    incoming_prefix: str = contract.INCOMING_PREFIX
     success_marker: str = "_SUCCESS"
 
     # -- Notifications and logs ----------------------------------------------------------
@@ -127,7 +123,7 @@ class PipelineConfig:
             raise ValueError(f"PipelineConfig.canary_num_nodes={self.canary_num_nodes}: must be >= 1.")
         for name in ("production_share", "experiments_share"):
             value = getattr(self, name)
-            if not _SHARE_RE.match(value):
+            if not contract.SHARE_IDENTIFIER_RE.match(value):
                 raise ValueError(
                     f"PipelineConfig.{name}={value!r}: a Batch share identifier is 1-255 letters, "
                     "digits or underscores; use one of the compute stack's share_identifiers."
@@ -191,8 +187,11 @@ class PipelineConfig:
                 f"PipelineConfig.notification_email={self.notification_email!r}: not an e-mail address; "
                 "use None for no subscription."
             )
-        if self.log_retention_days < 1:
-            raise ValueError(f"PipelineConfig.log_retention_days={self.log_retention_days}: must be >= 1.")
+        if self.log_retention_days not in contract.LOG_RETENTION_DAYS:
+            raise ValueError(
+                f"PipelineConfig.log_retention_days={self.log_retention_days}: use a CloudWatch Logs value "
+                f"{contract.LOG_RETENTION_DAYS}."
+            )
         tracking = self.mlflow_tracking
         if tracking is not None and tracking != MLFLOW_MANAGED and (
                 tracking.strip().lower() == MLFLOW_MANAGED or not _URI_RE.match(tracking)):

@@ -29,6 +29,7 @@ from aws_cdk import aws_sns as sns
 from constructs import Construct
 
 from stacks.constructs.monitoring import encrypted_log_group, log_events_to
+from pipeline_steps.contract import CANARY_JOB
 from stacks.pipeline_config import PipelineConfig
 
 
@@ -43,7 +44,7 @@ class Canary(Construct):
                              "do not create the construct.")
         minutes = config.canary_interval_minutes
         submit = {
-            "JobName": "canary",
+            "JobName": CANARY_JOB,
             "JobQueue": queue.job_queue_arn,
             "JobDefinition": job_definition.job_definition_arn,
             "SchedulingPriorityOverride": config.default_priority,

@@ -21,9 +21,8 @@ from __future__ import annotations
 from aws_cdk import aws_ec2 as ec2
 from constructs import Construct
 
+from pipeline_steps.contract import FSX_MOUNT_POINT
 from stacks.config import CapacityReservation, InstanceSpec
-
-FSX_MOUNT_POINT = "/fsx"
 
 _USER_DATA = r"""set -euo pipefail
 exec > >(tee -a /var/log/trainium-node-init.log | logger -t trainium-node-init) 2>&1

@@ -17,6 +17,7 @@ from aws_cdk import aws_kms as kms
 from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
+from pipeline_steps.contract import FSX_DATA, FSX_MOUNT_POINT, FSX_RUNS, RUNS_PREFIX
 from stacks.config import StorageConfig
 
 _ALL_EVENTS = ["NEW", "CHANGED", "DELETED"]
@@ -65,7 +66,7 @@ class LustreStorage(Construct):
             self,
             "DataAssociation",
             file_system_id=self.file_system.file_system_id,
-            file_system_path="/data",
+            file_system_path=FSX_DATA.removeprefix(FSX_MOUNT_POINT),  # a path inside the file system
             data_repository_path=f"s3://{data_bucket.bucket_name}/",
             # Existing objects' metadata is listed at creation; contents load lazily on first read.
             batch_import_meta_data_on_create=True,
@@ -77,8 +78,8 @@ class LustreStorage(Construct):
             self,
             "RunsAssociation",
             file_system_id=self.file_system.file_system_id,
-            file_system_path="/runs",
-            data_repository_path=f"s3://{artifacts_bucket.bucket_name}/runs/",
+            file_system_path=FSX_RUNS.removeprefix(FSX_MOUNT_POINT),
+            data_repository_path=f"s3://{artifacts_bucket.bucket_name}/{RUNS_PREFIX}",
             batch_import_meta_data_on_create=True,
             s3=fsx.CfnDataRepositoryAssociation.S3Property(
                 auto_import_policy=fsx.CfnDataRepositoryAssociation.AutoImportPolicyProperty(events=_ALL_EVENTS),

@@ -31,12 +31,13 @@ from aws_cdk import aws_kms as kms
 from aws_cdk import aws_logs as logs
 from constructs import Construct
 
-from pipeline_steps.errors import ExitCode
+from pipeline_steps.contract import (
+    CANARY_JOB, FSX_CANARY, FSX_MOUNT_POINT, FSX_RUNS, INSTANCE_TYPE_ENV, NPROC_PER_NODE_ENV, RUN_ID_PARAMETER, ExitCode,
+)
 from stacks.config import InstanceSpec, TrainingConfig
-from stacks.constructs.efa_launch_template import FSX_MOUNT_POINT
 
 RETRYABLE_EXIT_CODE = int(ExitCode.RETRYABLE)  # the only code Batch retries
-RUN_DIR = "/fsx/runs/Ref::run_id"
+RUN_DIR = f"{FSX_RUNS}/Ref::{RUN_ID_PARAMETER}"
 
 # EFA / Neuron collectives environment (AWS Neuron multi-node setup docs:
 # https://awsdocs-neuron.readthedocs-hosted.com/en/latest/frameworks/torch/torch-neuronx/setup-trn1-multi-node-execution.html).
@@ -118,7 +119,8 @@ SINGLE_NODE_STEPS: Mapping[str, tuple[list[str], dict[str, str]]] = {
         {"export_s3_uri": ""},
     ),
     # The canary: node-local sanity on the small instance type, outside the exported /fsx/runs.
-    "canary": (["sanity", "--run-dir", "/fsx/canary/Ref::run_id", "--fsx-path", FSX_MOUNT_POINT], {"run_id": "latest"}),
+    CANARY_JOB: (["sanity", "--run-dir", f"{FSX_CANARY}/Ref::{RUN_ID_PARAMETER}", "--fsx-path", FSX_MOUNT_POINT],
+                 {RUN_ID_PARAMETER: "latest"}),
 }
 
 
@@ -148,7 +150,7 @@ def container_memory(spec: InstanceSpec) -> Size:
 
 
 def _node_env(spec: InstanceSpec) -> dict[str, str]:
-    return {"NPROC_PER_NODE": str(spec.neuron_cores), "INSTANCE_TYPE": spec.name}
+    return {NPROC_PER_NODE_ENV: str(spec.neuron_cores), INSTANCE_TYPE_ENV: spec.name}
 
 
 def retry_strategies() -> list[batch.RetryStrategy]:

@@ -28,10 +28,10 @@ from constructs import Construct
 
 from aws_cdk import Duration
 
+from pipeline_steps.contract import FSX_DATA
 from stacks.constructs.monitoring import encrypted_log_group, express_state_machine
 from stacks.pipeline_config import PipelineConfig
 
-FSX_DATA_ROOT = "/fsx/data"  # the data bucket's FSx data repository association path
 # Transient StartExecution failures: throttling (https://docs.aws.amazon.com/step-functions/latest/apireference/CommonErrors.html),
 # reported as StepFunctions.ThrottlingException, or as StepFunctions.SfnException when the SDK's
 # model has no class for the error code; client-side faults; timeouts.
@@ -74,7 +74,7 @@ class RunTrigger(Construct):
         execution_input = {
             "dataset.$": "$.dataset",
             "version.$": "$.version",
-            "data_uri.$": f"States.Format('{FSX_DATA_ROOT}/{config.incoming_prefix}{{}}/{{}}', $.dataset, $.version)",
+            "data_uri.$": f"States.Format('{FSX_DATA}/{config.incoming_prefix}{{}}/{{}}', $.dataset, $.version)",
             "data_s3_uri.$": f"States.Format('s3://{{}}/{config.incoming_prefix}{{}}/{{}}/', $.bucket, $.dataset, $.version)",
             "source_key.$": "$.key",
         }

@@ -226,3 +226,38 @@ def test_capacity_reservation_validation(kwargs, match):
 
     with pytest.raises(ValueError, match=match):
         CapacityReservation(**kwargs)
+
+
+def _accepts(make) -> bool:
+    try:
+        make()
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("days", [1, 7, 30, 42, 365, 366, 3653, 0])
+def test_every_log_retention_is_checked_against_the_cloudwatch_values(days):
+    """The compute, network and pipeline configs accept the same retention values, the ones
+    stacks/constructs/retention.py can turn into a log group's retention (a 42 used to pass the
+    pipeline config and fail later, in retention_days)."""
+    from stacks.constructs.retention import _BY_DAYS
+
+    compute = _accepts(lambda: ComputeConfig(neuron_ami_ids=AMIS, log_retention_days=days))
+    network = _accepts(lambda: NetworkConfig(flow_log_retention_days=days))
+    pipeline = _accepts(lambda: PipelineConfig(log_retention_days=days))
+    assert compute == network == pipeline == (days in _BY_DAYS)
+
+
+def test_retention_table_is_the_contract_table():
+    from pipeline_steps import contract
+    from stacks.constructs.retention import _BY_DAYS
+
+    assert tuple(sorted(_BY_DAYS)) == contract.LOG_RETENTION_DAYS
+
+
+@pytest.mark.parametrize("identifier", ["production", "team_1", "x" * 255, "x" * 256, "has-dash", "has space", ""])
+def test_share_identifiers_are_checked_alike_in_the_compute_and_pipeline_configs(identifier):
+    compute = _accepts(lambda: ComputeConfig(neuron_ami_ids=AMIS, shares=(Share(identifier=identifier, weight=1),)))
+    pipeline = _accepts(lambda: PipelineConfig(experiments_share=identifier))
+    assert compute == pipeline

@@ -328,3 +328,49 @@ def test_one_instance_table_and_synth_needs_no_torch():
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=False,
                             cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+# -- One step list: the state machine and the job definitions run the contract's steps -------------
+def test_state_machine_runs_the_contract_steps(dev_templates, pipeline):
+    """Every step of pipeline_steps.contract.PIPELINE_STEPS is a Batch state named after it that
+    submits the job of the same name, on the queue its node count needs, and nothing else is."""
+    from pipeline_steps.contract import PIPELINE_STEPS
+
+    assert [(s.name, s.job_definition, s.multi_node) for s in STEPS] == \
+        [(s.state, s.name, s.multi_node) for s in PIPELINE_STEPS]
+    submits = {name: state for name, state in pipeline["States"].items()
+               if state.get("Resource", "").endswith(":batch:submitJob.sync")}
+    assert set(submits) == {s.state for s in PIPELINE_STEPS}
+    for step in PIPELINE_STEPS:
+        assert submits[step.state]["Parameters"]["JobName"] == step.name
+        assert ("NodeOverrides" in submits[step.state]["Parameters"]) == step.multi_node, step.name
+
+
+def test_job_definitions_run_the_contract_steps(dev_templates):
+    """Each step's job definition runs that CLI step, multi-node exactly when the contract says so,
+    in the run directory FSX_RUNS/<run id> on the FSx mount; the canary runs sanity under FSX_CANARY."""
+    from pipeline_steps.contract import CANARY_JOB, FSX_CANARY, FSX_MOUNT_POINT, FSX_RUNS, PIPELINE_STEPS
+
+    for step in PIPELINE_STEPS:
+        job = _job_definition(dev_templates["compute"], step.name)
+        command = _command(job)
+        assert command[0] == step.name
+        assert ("NodeProperties" in job) == step.multi_node, step.name
+        assert command[command.index("--run-dir") + 1] == f"{FSX_RUNS}/Ref::run_id", step.name
+        assert _container_of(job)["MountPoints"][0]["ContainerPath"] == FSX_MOUNT_POINT
+    canary = _command(_job_definition(dev_templates["compute"], CANARY_JOB))
+    assert canary[0] == "sanity" and canary[canary.index("--run-dir") + 1].startswith(f"{FSX_CANARY}/")
+
+
+def test_monitoring_watches_the_heartbeat_names_the_steps_publish():
+    """The stall alarm and the dashboard (stacks/constructs/monitoring.py) name the metrics the
+    heartbeat publishes (pipeline_steps/contract.py)."""
+    from pipeline_steps import contract
+    from stacks.constructs import monitoring
+
+    assert (monitoring.HEARTBEAT_NAMESPACE, monitoring.HEARTBEAT_STEP_METRIC, monitoring.HEARTBEAT_LOSS_METRIC,
+            monitoring.HEARTBEAT_THROUGHPUT_METRIC, monitoring.HEARTBEAT_STAGE_DIMENSION,
+            monitoring.HEARTBEAT_RUN_DIMENSION) == \
+        (contract.HEARTBEAT_NAMESPACE, contract.HEARTBEAT_STEP_METRIC, contract.HEARTBEAT_LOSS_METRIC,
+         contract.HEARTBEAT_THROUGHPUT_METRIC, contract.HEARTBEAT_STAGE_DIMENSION, contract.HEARTBEAT_RUN_DIMENSION)
+    assert monitoring.JOB_EVENT_RUN_ID_PATH == f"$.detail.parameters.{contract.RUN_ID_PARAMETER}"
