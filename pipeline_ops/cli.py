@@ -39,11 +39,11 @@ from typing import Any, Callable, Iterator
 
 from pipeline_steps import cost as cost_lib
 from pipeline_steps.completion import autocomplete, version_line
+from pipeline_steps.contract import FSX_DATA, FSX_RUNS, INCOMING_PREFIX
 
 from . import runs as R
 
 DEFAULT_PROJECT = "TrnEmbed"
-FSX_DATA = "/fsx/data"
 
 
 class ConflictError(R.OpsError):
@@ -295,7 +295,7 @@ def _data_input(uri: str, data_bucket: Callable[[], str]) -> dict[str, str]:
         out["data_uri"] = f"{FSX_DATA}/{key.strip('/')}"
     elif uri.startswith("/"):
         out["data_uri"] = uri.rstrip("/")
-    elif uri.startswith("incoming/"):
+    elif uri.startswith(INCOMING_PREFIX):
         out["data_s3_uri"] = f"s3://{data_bucket()}/{uri}"
         out["data_uri"] = f"{FSX_DATA}/{uri.strip('/')}"
     else:
@@ -303,8 +303,9 @@ def _data_input(uri: str, data_bucket: Callable[[], str]) -> dict[str, str]:
                          f"bucket), s3://<data bucket>/incoming/<dataset>/<version>/ or "
                          f"{FSX_DATA}/incoming/<dataset>/<version>")
     parts = out["data_uri"].split("/")
-    if "incoming" in parts and len(parts) >= parts.index("incoming") + 3:
-        i = parts.index("incoming")
+    incoming = INCOMING_PREFIX.rstrip("/")
+    if incoming in parts and len(parts) >= parts.index(incoming) + 3:
+        i = parts.index(incoming)
         out["dataset"], out["version"] = parts[i + 1], parts[i + 2]
     return out
 
@@ -315,7 +316,7 @@ def cmd_start(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
         # A bare run id means that run's dir (checkpoint.resolve picks its newest verified checkpoint);
         # "" trains from scratch.
         base = args.base_model
-        run_input["init_from"] = base if (not base or "/" in base) else f"/fsx/runs/{base}"
+        run_input["init_from"] = base if (not base or "/" in base) else f"{FSX_RUNS}/{base}"
     for key, value in (("num_nodes", args.nodes), ("share", args.share), ("priority", args.priority),
                        ("embed_shards", args.embed_shards)):
         if value is not None:
@@ -648,9 +649,9 @@ def build_parser() -> argparse.ArgumentParser:
     start = sub.add_parser("start", parents=[common], help="start a run")
     start.add_argument("--data-uri", required=True,
                        help="incoming/<dataset>/<version>/ (a key in the stage's data bucket), "
-                            "s3://<data bucket>/incoming/<dataset>/<version>/ or /fsx/data/incoming/<dataset>/<version>")
+                            f"s3://<data bucket>/incoming/<dataset>/<version>/ or {FSX_DATA}/incoming/<dataset>/<version>")
     start.add_argument("--base-model", default=None,
-                       help="run id, /fsx/runs/<run>[/checkpoints/...] to start from ('' = from scratch; "
+                       help=f"run id, {FSX_RUNS}/<run>[/checkpoints/...] to start from ('' = from scratch; "
                             "default: the published model)")
     start.add_argument("--nodes", type=_positive_int, default=None, help="nodes for sanity/compile/train")
     start.add_argument("--share", default=None, help="fair-share identifier (production | experiments)")

@@ -19,14 +19,15 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from pipeline_steps import contract
 from pipeline_steps import cost as cost_lib
 
-# Batch states of the pipeline (stacks/constructs/training_pipeline.py STEPS), in order; job
-# names are the lower-cased state names. Multi-node ones run on the training instance type.
-BATCH_STATES: tuple[str, ...] = ("Prepare", "Sanity", "Compile", "Train", "Validate", "Embed", "Export")
-MULTI_NODE_STATES = frozenset({"Sanity", "Compile", "Train"})
-DEFAULT_TRAINING_INSTANCE = "trn1.32xlarge"
-DEFAULT_SINGLE_NODE_INSTANCE = "trn1.2xlarge"
+# Batch states of the pipeline, in order; job names are the lower-cased state names. Multi-node
+# ones run on the training instance type.
+BATCH_STATES: tuple[str, ...] = tuple(step.state for step in contract.PIPELINE_STEPS)
+MULTI_NODE_STATES = frozenset(step.state for step in contract.PIPELINE_STEPS if step.multi_node)
+DEFAULT_TRAINING_INSTANCE = contract.DEFAULT_TRAINING_INSTANCE_TYPE
+DEFAULT_SINGLE_NODE_INSTANCE = contract.DEFAULT_SINGLE_NODE_INSTANCE_TYPE
 DEFAULT_LOG_GROUP = "/aws/batch/job"  # Batch's default awslogs group
 # Step Functions execution names: 1-80 of these characters (the run id is the execution name).
 _NAME_OK = re.compile(r"[^A-Za-z0-9_-]+")
