@@ -1,43 +1,21 @@
 """sanity: device, collective and host health checks, run before spending trn1 hours.
 
-Reads nothing from the run dir. Writes
-  DIR/sanity/rank-<r>.json   every rank: its own checks
-  DIR/sanity/sanity.json     rank 0: overall status, rank 0's checks, which ranks failed and why
-Every check is {name, status: passed|failed|skipped, expected, actual, seconds, detail}.
+Writes DIR/sanity/rank-<r>.json (every rank's checks) and DIR/sanity/sanity.json (rank 0: overall
+status, failed ranks and why); each check is {name, status: passed|failed|skipped, expected, actual,
+seconds, detail}. Every rank checks the world size, a device matmul and all_reduce / all_gather /
+reduce_scatter against closed-form results; local rank 0 of each node checks Neuron and EFA device
+counts against the instance type's row (pipeline_steps/contract.py), `fi_info -p efa`, the FSx mount
+and `nccom-test`. A check whose tool is absent is "skipped", never "passed".
 
-Local (one process; --backend xla runs on PJRT's CPU client):
+Exit codes: 75 (RETRYABLE, Batch retries on other hosts) for any failed check, a failed process-group
+join or a hang past --timeout-s (the stall watchdog); 78 (BAD_CONFIG) for bad flags, an INSTANCE_TYPE
+not in the table or a bad PIPELINE_SANITY_FAULT_RANK. Each rank records its code in
+$PIPELINE_EXIT_CODE_FILE and training_image/entrypoint.sh exits with it (torchrun alone would exit 1).
+PIPELINE_SANITY_FAULT_RANK=<r> makes rank r contribute a wrong all_reduce value (tests the detection).
+
     python -m pipeline_steps sanity --run-dir runs/demo --backend cpu
-    PJRT_DEVICE=CPU python -m pipeline_steps sanity --run-dir runs/demo --backend xla
-Local, two ranks over gloo:
     torchrun --standalone --nproc_per_node 2 -m pipeline_steps sanity --run-dir runs/demo --backend cpu
-On AWS Batch (training_image/entrypoint.sh computes TORCHRUN_ARGS from the multi-node variables;
-the job definition sets INSTANCE_TYPE, which stands in for --instance-type):
-    torchrun $TORCHRUN_ARGS -m pipeline_steps sanity --run-dir /fsx/runs/$RUN_ID \\
-        --fsx-path /fsx [--bandwidth-floor-gbps 40]
-
-Checks
-- every rank: world size against --expect-world-size (default AWS_BATCH_JOB_NUM_NODES x
-  NPROC_PER_NODE, else torchrun's WORLD_SIZE); a matmul with a closed-form result on the device;
-  all_reduce, all_gather and reduce_scatter of rank-dependent values whose results are known in
-  closed form (small integers, exact in fp32 at any world size up to thousands of ranks), each
-  repeated --iterations times and timed.
-- once per node (local rank 0), before any rank touches the device, so that nccom-test can own
-  every NeuronCore: Neuron device/core counts (`neuron-ls --json-output`, else /dev/neuron*) and
-  the EFA uverbs device count against the instance type's row (pipeline_steps/contract.py),
-  `fi_info -p efa`, the FSx mount (lustre in /proc/mounts) and a write + fsync + read + delete
-  probe, and `nccom-test ... --check allr` against --bandwidth-floor-gbps.
-  nccom-test runs on one node (NeuronLink); the cross-node EFA path is what the torch collectives
-  above exercise. A check whose tool is absent is "skipped" with the reason, never "passed".
-
-Any failed check: expected vs actual on stderr and exit 75 (RETRYABLE: Batch retries the job,
-usually on other hosts). The whole run is bounded by --timeout-s through the stall watchdog
-(`pipeline_steps.watchdog`): a collective that hangs ends the process with 75 as well. Note that
-torchrun exits 1 whenever a worker fails, whatever the worker's code; the entrypoint must map a
-torchrun failure to 75 itself (e.g. when DIR/sanity/sanity.json says "exit_code": 75).
-
-Fault injection for testing the detection path: env PIPELINE_SANITY_FAULT_RANK=<r> makes rank r
-contribute a wrong value to the all_reduce check. Unset (the default) it does nothing; when set
-it is logged as a warning and recorded in every result file.
+    torchrun $TORCHRUN_ARGS -m pipeline_steps sanity --run-dir /fsx/runs/$RUN_ID --fsx-path /fsx  # AWS Batch
 """
 
 from __future__ import annotations

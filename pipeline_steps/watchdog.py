@@ -1,34 +1,18 @@
-"""In-process stall watchdog: exit with the retryable code when no step completes in time.
+"""In-process stall watchdog: ends the process with exit code 75 (ExitCode.RETRYABLE, which AWS
+Batch retries) when no step completes within the bound.
 
-Why: a hung collective (a dead peer, a wedged EFA link, a device that stopped answering) never
-fails by itself; the rank just waits, and AWS Batch bills the whole cluster until the job timeout.
-This watchdog is the in-process half of stuck-job detection; the other half is the
-CloudWatch alarm on the heartbeat metrics (`pipeline_steps.heartbeat`) for the case where the
-whole process is frozen and this thread cannot run either.
-
-Usage (the training loop):
-
-    from pipeline_steps.watchdog import Watchdog
+A hung collective never fails by itself, and the main thread may be blocked in C++ where no
+exception reaches it. So a daemon thread watches the time since the last `beat()` (before the
+first beat: `startup_timeout_s`, covering graph compilation). Past the bound it logs what stalled,
+dumps every thread's stack, runs `on_stall` (all within REPORT_GRACE_S), records the code for the
+entrypoint with `errors.record_exit_code` (torchrun itself would exit 1) and calls `os._exit`.
+A process too frozen to run this thread is caught by the heartbeat alarm (`pipeline_steps.heartbeat`).
+`timeout_s <= 0` disables it. Usage:
 
     with Watchdog(timeout_s=1800, what="training step", startup_timeout_s=3600) as watchdog:
         for batch in batches:
             train_step(batch)
-            watchdog.beat()          # after each completed step
-
-A daemon thread checks the time since the last `beat()` (or since entering the block, bounded by
-`startup_timeout_s`, which covers the first step's XLA/Neuron compilation). When the bound is
-exceeded it logs what stalled, for how long and when the last beat was, dumps every thread's
-Python stack (faulthandler: shows *which* collective the main thread is stuck in), runs an
-optional `on_stall` callback, flushes stdio and logging, and ends the whole process with
-`os._exit(75)` (`ExitCode.RETRYABLE`). Raising is not enough: the main thread may be blocked in C++
-inside a collective and would never see the exception. Batch's retry strategy retries exit 75.
-
-Under torchrun the rank that exits takes the others down with it (the elastic agent stops the
-group when one worker fails). Note that torchrun itself then exits 1, not 75: the launcher
-(`training_image/entrypoint.sh`) has to map that, see the sanity step's docstring.
-
-`timeout_s <= 0` disables the watchdog (for an interactive debugging session); nothing else in
-the package reads the environment here, so the step decides the bound.
+            watchdog.beat()
 """
 
 from __future__ import annotations
