@@ -5,8 +5,8 @@ Why: a hung collective never fails by itself, and a frozen process cannot run it
 awslogs driver ships stdout to CloudWatch Logs, which extracts the metrics (no agent, no boto3,
 no extra dependency on the node), and an alarm fires when `TrainStep` of this run stops arriving.
 
-The metric contract (names from pipeline_steps/contract.py, which the stall alarm and the
-dashboard read too):
+The metric contract (names from pipeline_steps/contract.py; the stall alarm and the dashboard
+watch the same names):
 
     Namespace   TrainiumEmbeddings
     Dimensions  [["Stage"], ["Stage", "RunId"]]
