@@ -374,3 +374,18 @@ def test_monitoring_watches_the_heartbeat_names_the_steps_publish():
         (contract.HEARTBEAT_NAMESPACE, contract.HEARTBEAT_STEP_METRIC, contract.HEARTBEAT_LOSS_METRIC,
          contract.HEARTBEAT_THROUGHPUT_METRIC, contract.HEARTBEAT_STAGE_DIMENSION, contract.HEARTBEAT_RUN_DIMENSION)
     assert monitoring.JOB_EVENT_RUN_ID_PATH == f"$.detail.parameters.{contract.RUN_ID_PARAMETER}"
+
+
+def test_every_job_sets_the_environment_the_image_and_steps_read(dev_templates):
+    """The variables the entrypoint and the steps read (names in pipeline_steps/contract.py) are in
+    every job definition's environment; the torchrun rendezvous bound in the multi-node ones."""
+    from pipeline_steps import contract
+
+    for key in [step.name for step in contract.PIPELINE_STEPS] + [contract.CANARY_JOB]:
+        job = _job_definition(dev_templates["compute"], key)
+        env = _environment(job)
+        for name in (contract.STAGE_ENV, contract.INSTANCE_TYPE_ENV, contract.NPROC_PER_NODE_ENV,
+                     contract.COMPILE_CACHE_BASE_ENV):
+            assert name in env, (key, name)
+        if "NodeProperties" in job:
+            assert contract.RDZV_TIMEOUT_ENV in env, key
