@@ -28,7 +28,7 @@ from aws_cdk import aws_scheduler_targets as scheduler_targets
 from aws_cdk import aws_sns as sns
 from constructs import Construct
 
-from stacks.constructs.monitoring import encrypted_log_group, log_events_to
+from stacks.constructs.log_delivery import encrypted_log_group, log_events_to
 from stacks.pipeline_config import PipelineConfig
 
 

@@ -28,7 +28,7 @@ from constructs import Construct
 
 from aws_cdk import Duration
 
-from stacks.constructs.monitoring import encrypted_log_group, express_state_machine
+from stacks.constructs.log_delivery import encrypted_log_group, express_state_machine
 from stacks.pipeline_config import PipelineConfig
 
 FSX_DATA_ROOT = "/fsx/data"  # the data bucket's FSx data repository association path
