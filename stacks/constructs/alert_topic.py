@@ -1,6 +1,6 @@
 """One KMS-encrypted SNS topic every alarm and notification goes to. Its own key, so the key policy
 can admit CloudWatch, EventBridge and CloudWatch Logs without touching the stateful storage stack
-(https://docs.aws.amazon.com/sns/latest/dg/sns-key-management.html).
+(https://docs.aws.amazon.com/sns/latest/dg/sns-key-management.html#compatibility-with-aws-services).
 """
 
 from __future__ import annotations

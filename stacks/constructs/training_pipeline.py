@@ -51,6 +51,7 @@ BATCH_API_ERRORS: tuple[str, ...] = (
     "Batch.TooManyRequestsException",
 )
 GATE_KEY_PATTERN = "runs/*/validation/gate.json"
+UNDELIVERED_NAMESPACE = "TrainiumEmbeddings/Pipeline"
 
 
 @dataclass(frozen=True)
@@ -77,10 +78,6 @@ def _has_fair_share(queue: batch.IJobQueue) -> bool:
     # Batch rejects ShareIdentifier on a queue without a scheduling policy and requires it on one
     # with a policy (SubmitJob API reference), so the field is emitted per queue.
     return queue.scheduling_policy is not None
-
-
-
-UNDELIVERED_NAMESPACE = "TrainiumEmbeddings/Pipeline"
 
 
 def _check_wiring(config: PipelineConfig, *, queues: Mapping[str, batch.IJobQueue],
