@@ -20,7 +20,7 @@ watch the same names):
     Properties  any extra keyword properties (searchable in Logs Insights, not metrics).
 
 Every value is published twice: per stage (["Stage"]: stage-wide graphs) and per run
-(["Stage", "RunId"]). The per-job stall alarm (stacks/constructs/monitoring.py StallWatchdog) reads
+(["Stage", "RunId"]). The per-job stall alarm (stacks/constructs/stall_watchdog.py StallWatchdog) reads
 the per-run series with RunId = the job's `run_id` parameter, so a healthy run of the same stage
 can never hide a stalled one. Cost: 3 custom metrics per run, billed only in the hours a run
 publishes them.

@@ -10,9 +10,9 @@ from typing import Any
 
 from aws_cdk import CfnOutput, Duration, Stack
 from aws_cdk import aws_ecs as ecs
-from cdk_nag import NagPackSuppression, NagSuppressions, RegexAppliesTo
 from constructs import Construct
 
+from pipeline_steps.contract import COMPILE_CACHE_BASE_ENV, RDZV_TIMEOUT_ENV, STAGE_ENV
 from stacks.config import StageConfig
 from stacks.constructs.job_definitions import JobDefinitions
 from stacks.constructs.log_encryption import log_encryption_key
@@ -46,14 +46,7 @@ class ComputeStack(Stack):
     ) -> None:
         super().__init__(scope, construct_id, **kwargs)
         cfg = config.compute
-        # Tests inject a registry image so snapshots don't churn with the asset hash (which
-        # includes the GIT_COMMIT build arg).
-        if image_uri is None:
-            asset = training_image_asset(self, "TrainingImage", git_commit=config.git_commit)
-            self.image, self.image_uri = ecs.ContainerImage.from_docker_image_asset(asset), asset.image_uri
-        else:
-            self.image, self.image_uri = ecs.ContainerImage.from_registry(image_uri), image_uri
-
+        self.image, self.image_uri = self._training_image(config, image_uri)
         self.mlflow: MlflowTracking | None = None
         self.mlflow_tracking_uri = config.pipeline.mlflow_tracking
         if config.pipeline.mlflow_managed:
@@ -61,12 +54,6 @@ class ComputeStack(Stack):
                                          artifacts_bucket=storage.artifacts_bucket,
                                          size=config.pipeline.mlflow_server_size)
             self.mlflow_tracking_uri = self.mlflow.tracking_server_arn
-        # What pipeline_steps/tracking.py reads; INSTANCE_TYPE is set per job definition.
-        tracking_env = {"MLFLOW_EXPERIMENT_NAME": f"{config.project}-{config.name}",
-                        "TRAINING_IMAGE_URI": self.image_uri}
-        if self.mlflow_tracking_uri is not None:
-            tracking_env["MLFLOW_TRACKING_URI"] = self.mlflow_tracking_uri
-
         self.compute = TrainiumCompute(
             self,
             "Compute",
@@ -80,7 +67,39 @@ class ComputeStack(Stack):
             fsx_dns_name=storage.file_system.dns_name,
             fsx_mount_name=storage.file_system.mount_name,
         )
-        self.jobs = JobDefinitions(
+        self.jobs = self._job_definitions(config, storage)
+        # Which AMI a deploy actually used (the resolved SSM value when unpinned).
+        CfnOutput(self, "NeuronAmiId", value=self.compute.machine_image.get_image(self).image_id,
+                  description="Neuron ECS AMI of the compute environments")
+        self.queues = self.compute.queues
+        self.compute_environments = self.compute.compute_environments
+        self.share_identifiers = self.compute.share_identifiers
+        self.job_definitions = self.jobs.job_definitions
+        self.job_role = self.jobs.job_role
+        self.job_log_group = self.jobs.log_group
+
+        # Least privilege through grants (KMS decrypt/encrypt on the key comes with them).
+        self.jobs.grant_bucket_access(read=[storage.data_bucket],
+                                      read_write=[storage.artifacts_bucket, storage.cache_bucket])
+        if self.mlflow is not None:
+            self.mlflow.grant_access(self.job_role)
+
+    def _training_image(self, config: StageConfig, image_uri: str | None) -> tuple[ecs.ContainerImage, str]:
+        # Tests inject a registry image so snapshots don't churn with the asset hash (which
+        # includes the GIT_COMMIT build arg).
+        if image_uri is None:
+            asset = training_image_asset(self, "TrainingImage", git_commit=config.git_commit)
+            return ecs.ContainerImage.from_docker_image_asset(asset), asset.image_uri
+        return ecs.ContainerImage.from_registry(image_uri), image_uri
+
+    def _job_definitions(self, config: StageConfig, storage: StorageStack) -> JobDefinitions:
+        cfg = config.compute
+        # What pipeline_steps/tracking.py reads; INSTANCE_TYPE is set per job definition.
+        tracking_env = {"MLFLOW_EXPERIMENT_NAME": f"{config.project}-{config.name}",
+                        "TRAINING_IMAGE_URI": self.image_uri}
+        if self.mlflow_tracking_uri is not None:
+            tracking_env["MLFLOW_TRACKING_URI"] = self.mlflow_tracking_uri
+        return JobDefinitions(
             self,
             "Jobs",
             image=self.image,
@@ -95,111 +114,13 @@ class ComputeStack(Stack):
             compile_timeout=Duration.hours(cfg.compile_attempt_timeout_hours),
             short_timeout=Duration.hours(cfg.short_attempt_timeout_hours),
             environment={
-                "PIPELINE_STAGE": config.name,
-                "NEURON_COMPILE_CACHE_URL_BASE": storage.cache_bucket.s3_url_for_object("neuron"),
+                STAGE_ENV: config.name,
+                COMPILE_CACHE_BASE_ENV: storage.cache_bucket.s3_url_for_object("neuron"),
                 # torchrun's rendezvous waits as long as a child node may take to start
                 # (training_image/entrypoint.sh); the same startup budget as the state timeouts.
-                "TORCHRUN_RDZV_TIMEOUT_SECONDS": str(config.pipeline.startup_minutes * 60),
+                RDZV_TIMEOUT_ENV: str(config.pipeline.startup_minutes * 60),
                 **tracking_env,
             },
             log_retention=retention_days(cfg.log_retention_days),
             log_key=log_encryption_key(self, "LogsKey", description=f"{config.project}-{config.name}: Batch job logs"),
-        )
-        # Which AMI a deploy actually used (the resolved SSM value when unpinned).
-        CfnOutput(self, "NeuronAmiId", value=self.compute.machine_image.get_image(self).image_id,
-                  description="Neuron ECS AMI of the compute environments")
-        self.queues = self.compute.queues
-        self.compute_environments = self.compute.compute_environments
-        self.share_identifiers = self.compute.share_identifiers
-        self.job_definitions = self.jobs.job_definitions
-        self.job_role = self.jobs.job_role
-        self.job_log_group = self.jobs.log_group
-
-        # Least privilege through grants (KMS decrypt/encrypt on the key comes with them).
-        storage.data_bucket.grant_read(self.job_role)
-        storage.artifacts_bucket.grant_read_write(self.job_role)
-        storage.cache_bucket.grant_read_write(self.job_role)
-        if self.mlflow is not None:
-            self.mlflow.grant_access(self.job_role)
-
-        NagSuppressions.add_resource_suppressions(
-            self.compute.instance_role,
-            [
-                NagPackSuppression(
-                    id="AwsSolutions-IAM4",
-                    reason="AmazonEC2ContainerServiceforEC2Role is the AWS-maintained policy the ECS agent on Batch "
-                    "container instances needs (register, poll, pull); a hand copy would drift from the agent.",
-                    applies_to=["Policy::arn:<AWS::Partition>:iam::aws:policy/service-role/AmazonEC2ContainerServiceforEC2Role"],
-                )
-            ],
-        )
-        NagSuppressions.add_resource_suppressions(
-            self.job_role,
-            [
-                NagPackSuppression(
-                    id="AwsSolutions-IAM5",
-                    reason="Generated by bucket.grant_read / grant_read_write: object-level actions need the bucket's "
-                    "'/*' object ARN (step outputs, gate reports, compile-cache entries are arbitrary keys) and the "
-                    "grant action groups (s3:GetObject*, s3:List*, kms:GenerateDataKey*, ...) are CDK's minimal sets.",
-                    applies_to=[
-                        # The bucket ARNs ("<XBucket.Arn>/*", or the cross-stack export when the account is set).
-                        RegexAppliesTo(
-                            regex=r"/^Resource::(<|.*ExportsOutputFnGetAtt)(Data|Artifacts|Cache)Bucket[0-9A-F]+"
-                            r"(\.Arn>|Arn[0-9A-F]+)\/\*$/g"
-                        ),
-                        RegexAppliesTo(regex=r"/^Action::s3:(GetBucket|GetObject|List|Abort|DeleteObject|PutObject)\*$/g"),
-                        RegexAppliesTo(regex=r"/^Action::kms:(GenerateDataKey|ReEncrypt)\*$/g"),
-                    ],
-                )
-            ],
-            apply_to_children=True,
-        )
-        if self.mlflow is not None:
-            self._acknowledge_mlflow(self.mlflow)
-        NagSuppressions.add_resource_suppressions(
-            self.jobs.execution_role,
-            [
-                NagPackSuppression(
-                    id="AwsSolutions-IAM5",
-                    reason="ecr:GetAuthorizationToken has no resource-level permissions (it must be '*'); the image "
-                    "pull actions themselves are scoped to the asset repository by the CDK image grant.",
-                    applies_to=["Resource::*"],
-                )
-            ],
-            apply_to_children=True,
-        )
-
-    def _acknowledge_mlflow(self, mlflow: MlflowTracking) -> None:
-        NagSuppressions.add_resource_suppressions(
-            self.job_role,
-            [
-                NagPackSuppression(
-                    id="AwsSolutions-IAM5",
-                    reason="MlflowTracking.grant_access: 'sagemaker-mlflow:*' is the data-plane action set the "
-                    "MLflow client needs (create/search experiments and runs, log batches and artifacts), per the "
-                    "SageMaker MLflow IAM guide, and the resource is this stage's one tracking server ARN.",
-                    applies_to=["Action::sagemaker-mlflow:*"],
-                )
-            ],
-            apply_to_children=True,
-        )
-        NagSuppressions.add_resource_suppressions(
-            mlflow.role,
-            [
-                NagPackSuppression(
-                    id="AwsSolutions-IAM5",
-                    reason="artifacts_bucket.grant_read_write(role, 'mlflow/*'): the tracking server writes run "
-                    "artifacts under arbitrary keys below the mlflow/ prefix only; the action groups "
-                    "(s3:GetObject*, s3:List*, kms:GenerateDataKey*, ...) are CDK's minimal grant sets.",
-                    applies_to=[
-                        RegexAppliesTo(
-                            regex=r"/^Resource::(<|.*ExportsOutputFnGetAtt)ArtifactsBucket[0-9A-F]+"
-                            r"(\.Arn>|Arn[0-9A-F]+)\/mlflow\/\*$/g"
-                        ),
-                        RegexAppliesTo(regex=r"/^Action::s3:(GetBucket|GetObject|List|Abort|DeleteObject|PutObject)\*$/g"),
-                        RegexAppliesTo(regex=r"/^Action::kms:(GenerateDataKey|ReEncrypt)\*$/g"),
-                    ],
-                )
-            ],
-            apply_to_children=True,
         )

@@ -277,6 +277,13 @@ class ComputeConfig:
     log_retention_days: int = 365
 
     def __post_init__(self) -> None:
+        spec = self._check_instances_and_ami()
+        self._check_fair_share()
+        self._check_jobs_and_volumes(spec)
+
+    def _check_instances_and_ami(self) -> InstanceSpec:
+        """Instance types, node counts, AMI pins, driver version, root volume size; returns the
+        training instance's spec."""
         spec = contract.instance_spec(self.training_instance_type, "ComputeConfig.training_instance_type")
         if spec.efa_interfaces < 1:
             raise ValueError(
@@ -301,6 +308,9 @@ class ComputeConfig:
                 f"ComputeConfig.root_volume_gib={self.root_volume_gib}: use >= 200; the Neuron training image "
                 "does not fit the ECS AMI's default 30 GB."
             )
+        return spec
+
+    def _check_fair_share(self) -> None:
         if not self.shares:
             raise ValueError("ComputeConfig.shares: at least one fair-share identifier is required.")
         ids = [s.identifier for s in self.shares]
@@ -315,6 +325,9 @@ class ComputeConfig:
             raise ValueError("ComputeConfig.share_decay_seconds: use 0..604800 (one week).")
         if not 0 <= self.compute_reservation <= 99:
             raise ValueError("ComputeConfig.compute_reservation: a percentage 0..99.")
+
+    def _check_jobs_and_volumes(self, spec: InstanceSpec) -> None:
+        """Queue and retry limits, gp3 root volume, attempt timeouts, shared memory, log retention."""
         if self.runnable_timeout_minutes < 10:
             raise ValueError(
                 "ComputeConfig.runnable_timeout_minutes: Batch requires >= 10 minutes for jobStateTimeLimitActions."

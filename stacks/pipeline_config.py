@@ -114,6 +114,12 @@ class PipelineConfig:
     load, plenty for one pipeline's step-level logging."""
 
     def __post_init__(self) -> None:
+        self._check_batch_settings()
+        self._check_time_bounds()
+        self._check_trigger_and_tracking()
+
+    def _check_batch_settings(self) -> None:
+        """Node counts, share identifiers, priority, array size."""
         if self.default_num_nodes < 1:
             raise ValueError(
                 f"PipelineConfig.default_num_nodes={self.default_num_nodes}: must be >= 1 "
@@ -137,6 +143,9 @@ class PipelineConfig:
                 f"PipelineConfig.embed_array_size={self.embed_array_size}: a Batch array job has 2..10000 "
                 "children; for a single shard raise it to 2 or embed in the validate step."
             )
+
+    def _check_time_bounds(self) -> None:
+        """Startup, retries, canary interval and stall timeout."""
         if not 5 <= self.startup_minutes <= 6 * 60:
             raise ValueError(
                 f"PipelineConfig.startup_minutes={self.startup_minutes}: use 5..360; it must cover child-node "
@@ -173,6 +182,9 @@ class PipelineConfig:
                 "stopped early would be terminated later than stall_timeout + 5 minutes. Raise "
                 "stall_timeout_minutes (the first step after startup can take that long too)."
             )
+
+    def _check_trigger_and_tracking(self) -> None:
+        """The trigger's upload layout, notifications, log retention and MLflow."""
         if not self.incoming_prefix or not self.incoming_prefix.endswith("/") or self.incoming_prefix.startswith("/"):
             raise ValueError(
                 f"PipelineConfig.incoming_prefix={self.incoming_prefix!r}: use a key prefix like 'incoming/' "

@@ -1,9 +1,9 @@
 """Pipeline stack: the training state machine, its trigger, the canary, stall watchdog, alarms, dashboard.
 
-Wiring only; the resource families live in stacks/constructs/{training_pipeline, triggers, canary,
-monitoring}.py. Depends on the storage stack (buckets) and the compute stack (queues, job
-definitions); it owns its own KMS key for the topic and log groups so that no key policy of the
-stateful stack changes when this stack does.
+Wiring only; the resource families live in stacks/constructs/{alert_topic, training_pipeline,
+triggers, stall_watchdog, job_events, canary, monitoring}.py. Depends on the storage stack (buckets)
+and the compute stack (queues, job definitions); it owns its own KMS key for the topic and log
+groups so that no key policy of the stateful stack changes when this stack does.
 """
 
 from __future__ import annotations
@@ -17,8 +17,11 @@ from aws_cdk import aws_s3 as s3
 from cdk_nag import NagSuppressions
 from constructs import Construct
 
+from stacks.constructs.alert_topic import AlertTopic
 from stacks.constructs.canary import Canary
-from stacks.constructs.monitoring import AlertTopic, JobEvents, Monitoring, StallWatchdog
+from stacks.constructs.job_events import JobEvents
+from stacks.constructs.monitoring import Monitoring
+from stacks.constructs.stall_watchdog import StallWatchdog
 from stacks.constructs.training_pipeline import TrainingPipeline
 from stacks.constructs.triggers import RunTrigger
 from stacks.pipeline_config import PipelineConfig

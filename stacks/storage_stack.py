@@ -9,7 +9,6 @@ from aws_cdk import CfnOutput, Duration, RemovalPolicy, Stack
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_kms as kms
 from aws_cdk import aws_s3 as s3
-from cdk_nag import NagPackSuppression, NagSuppressions
 from constructs import Construct
 
 from stacks.config import StageConfig
@@ -28,34 +27,7 @@ class StorageStack(Stack):
         super().__init__(scope, construct_id, termination_protection=True, **kwargs)
         storage = config.storage
 
-        self.key = kms.Key(
-            self,
-            "Key",
-            description=f"{config.project}-{config.name}: training data, artifacts, compile cache, FSx",
-            enable_key_rotation=True,
-            removal_policy=RemovalPolicy.RETAIN,
-        )
-        # FSx data repository associations read/write the SSE-KMS buckets as a per-file-system
-        # service-linked role (AWSServiceRoleForFSxS3Access_fs-...), whose managed policy has no
-        # KMS rights: allow it here, only via S3 and only from this account. A wildcard on the role
-        # name avoids a key -> file system dependency (the file system uses this key).
-        # https://docs.aws.amazon.com/fsx/latest/LustreGuide/s3-server-side-encryption-support.html
-        self.key.add_to_resource_policy(
-            iam.PolicyStatement(
-                sid="FsxDataRepositoryAccessViaS3",
-                principals=[iam.AnyPrincipal()],
-                actions=["kms:Encrypt", "kms:Decrypt", "kms:ReEncrypt*", "kms:GenerateDataKey*", "kms:DescribeKey"],
-                resources=["*"],
-                conditions={
-                    "StringEquals": {"kms:CallerAccount": self.account, "kms:ViaService": f"s3.{self.region}.amazonaws.com"},
-                    "ArnLike": {
-                        "aws:PrincipalArn": f"arn:{self.partition}:iam::{self.account}:role/aws-service-role/"
-                        "s3.data-source.lustre.fsx.amazonaws.com/AWSServiceRoleForFSxS3Access_*"
-                    },
-                },
-            )
-        )
-
+        self.key = self._encryption_key(config)
         self.log_bucket = access_log_bucket(self, "LogBucket", expiration_days=storage.access_log_expiration_days)
         common = {
             "key": self.key,
@@ -93,13 +65,32 @@ class StorageStack(Stack):
         CfnOutput(self, "ArtifactsBucketName", value=self.artifacts_bucket.bucket_name,
                   description="Runs (s3://<this>/runs/<run id>/) and the published model (models/current.json)")
 
-        NagSuppressions.add_resource_suppressions(
-            self.log_bucket,
-            [
-                NagPackSuppression(
-                    id="AwsSolutions-S1",
-                    reason="This is the server access log target of the other buckets; logging it into itself "
-                    "would create a feedback loop of log objects.",
-                )
-            ],
+    def _encryption_key(self, config: StageConfig) -> kms.Key:
+        key = kms.Key(
+            self,
+            "Key",
+            description=f"{config.project}-{config.name}: training data, artifacts, compile cache, FSx",
+            enable_key_rotation=True,
+            removal_policy=RemovalPolicy.RETAIN,
         )
+        # FSx data repository associations read/write the SSE-KMS buckets as a per-file-system
+        # service-linked role (AWSServiceRoleForFSxS3Access_fs-...), whose managed policy has no
+        # KMS rights: allow it here, only via S3 and only from this account. A wildcard on the role
+        # name avoids a key -> file system dependency (the file system uses this key).
+        # https://docs.aws.amazon.com/fsx/latest/LustreGuide/s3-server-side-encryption-support.html
+        key.add_to_resource_policy(
+            iam.PolicyStatement(
+                sid="FsxDataRepositoryAccessViaS3",
+                principals=[iam.AnyPrincipal()],
+                actions=["kms:Encrypt", "kms:Decrypt", "kms:ReEncrypt*", "kms:GenerateDataKey*", "kms:DescribeKey"],
+                resources=["*"],
+                conditions={
+                    "StringEquals": {"kms:CallerAccount": self.account, "kms:ViaService": f"s3.{self.region}.amazonaws.com"},
+                    "ArnLike": {
+                        "aws:PrincipalArn": f"arn:{self.partition}:iam::{self.account}:role/aws-service-role/"
+                        "s3.data-source.lustre.fsx.amazonaws.com/AWSServiceRoleForFSxS3Access_*"
+                    },
+                },
+            )
+        )
+        return key

@@ -29,7 +29,7 @@ from aws_cdk import aws_sns as sns
 from constructs import Construct
 
 from pipeline_steps.contract import CANARY_JOB
-from stacks.constructs.monitoring import encrypted_log_group, log_events_to
+from stacks.constructs.log_delivery import encrypted_log_group, log_events_to
 from stacks.pipeline_config import PipelineConfig
 
 
@@ -85,7 +85,9 @@ class Canary(Construct):
             targets=[targets.SnsTopic(topic, message=events.RuleTargetInput.from_text(
                 f"Canary job {events.EventField.from_path('$.detail.jobId')} failed: "
                 f"{events.EventField.from_path('$.detail.statusReason')}"))])
+        self._alarm_when_not_succeeding(topic, minutes)
 
+    def _alarm_when_not_succeeding(self, topic: sns.ITopic, minutes: int) -> None:
         # Two intervals: one late run (cold instance start) is not an outage.
         window = Duration.minutes(min(2 * minutes, 24 * 60))
         submitted = self.schedule_group.metric_attempts(statistic="Sum", period=window)

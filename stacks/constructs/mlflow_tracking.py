@@ -14,6 +14,7 @@ from __future__ import annotations
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_s3 as s3
 from aws_cdk import aws_sagemaker as sagemaker
+from cdk_nag import NagPackSuppression, NagSuppressions, RegexAppliesTo
 from constructs import Construct
 
 
@@ -29,6 +30,26 @@ class MlflowTracking(Construct):
         self.role = iam.Role(self, "ServerRole", assumed_by=iam.ServicePrincipal("sagemaker.amazonaws.com"),
                              description="SageMaker MLflow tracking server: artifact store access")
         artifacts_bucket.grant_read_write(self.role, f"{prefix}/*")
+        NagSuppressions.add_resource_suppressions(
+            self.role,
+            [
+                NagPackSuppression(
+                    id="AwsSolutions-IAM5",
+                    reason="artifacts_bucket.grant_read_write(role, 'mlflow/*'): the tracking server writes run "
+                    "artifacts under arbitrary keys below the mlflow/ prefix only; the action groups "
+                    "(s3:GetObject*, s3:List*, kms:GenerateDataKey*, ...) are CDK's minimal grant sets.",
+                    applies_to=[
+                        RegexAppliesTo(
+                            regex=r"/^Resource::(<|.*ExportsOutputFnGetAtt)ArtifactsBucket[0-9A-F]+"
+                            r"(\.Arn>|Arn[0-9A-F]+)\/mlflow\/\*$/g"
+                        ),
+                        RegexAppliesTo(regex=r"/^Action::s3:(GetBucket|GetObject|List|Abort|DeleteObject|PutObject)\*$/g"),
+                        RegexAppliesTo(regex=r"/^Action::kms:(GenerateDataKey|ReEncrypt)\*$/g"),
+                    ],
+                )
+            ],
+            apply_to_children=True,
+        )
         self.server = sagemaker.CfnMlflowTrackingServer(
             self, "Server",
             tracking_server_name=name,
@@ -40,7 +61,21 @@ class MlflowTracking(Construct):
         self.server.node.add_dependency(self.role)
         self.tracking_server_arn = self.server.attr_tracking_server_arn
 
-    def grant_access(self, grantee: iam.IGrantable) -> iam.Grant:
+    def grant_access(self, grantee: iam.IRole) -> iam.Grant:
         """Let a job role log runs (the sagemaker-mlflow data-plane actions on this server only)."""
-        return iam.Grant.add_to_principal(grantee=grantee, actions=["sagemaker-mlflow:*"],
-                                          resource_arns=[self.tracking_server_arn])
+        grant = iam.Grant.add_to_principal(grantee=grantee, actions=["sagemaker-mlflow:*"],
+                                           resource_arns=[self.tracking_server_arn])
+        NagSuppressions.add_resource_suppressions(
+            grantee,
+            [
+                NagPackSuppression(
+                    id="AwsSolutions-IAM5",
+                    reason="MlflowTracking.grant_access: 'sagemaker-mlflow:*' is the data-plane action set the "
+                    "MLflow client needs (create/search experiments and runs, log batches and artifacts), per the "
+                    "SageMaker MLflow IAM guide, and the resource is this stage's one tracking server ARN.",
+                    applies_to=["Action::sagemaker-mlflow:*"],
+                )
+            ],
+            apply_to_children=True,
+        )
+        return grant

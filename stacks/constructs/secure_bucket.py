@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from aws_cdk import Duration, RemovalPolicy
 from aws_cdk import aws_kms as kms
 from aws_cdk import aws_s3 as s3
+from cdk_nag import NagPackSuppression, NagSuppressions
 from constructs import Construct
 
 
@@ -18,7 +19,7 @@ def access_log_bucket(scope: Construct, construct_id: str, *, expiration_days: i
     supported default encryption for a log target bucket is SSE-S3
     (https://docs.aws.amazon.com/AmazonS3/latest/userguide/enable-server-access-logging.html).
     """
-    return s3.Bucket(
+    bucket = s3.Bucket(
         scope,
         construct_id,
         encryption=s3.BucketEncryption.S3_MANAGED,
@@ -36,6 +37,17 @@ def access_log_bucket(scope: Construct, construct_id: str, *, expiration_days: i
             )
         ],
     )
+    NagSuppressions.add_resource_suppressions(
+        bucket,
+        [
+            NagPackSuppression(
+                id="AwsSolutions-S1",
+                reason="This is the server access log target of the other buckets; logging it into itself "
+                "would create a feedback loop of log objects.",
+            )
+        ],
+    )
+    return bucket
 
 
 def secure_bucket(

@@ -65,8 +65,18 @@ class TrainingNetwork(Construct):
         else:
             self.vpc, self.training_subnet = self._new_vpc(config, training_az_id)
         self.training_subnets = ec2.SubnetSelection(subnets=[self.training_subnet])
+        self._security_groups()
 
-        # -- Security groups ---------------------------------------------------------------
+        # -- Placement group: all nodes of a job on one low-latency network spine ----------
+        self.placement_group = ec2.PlacementGroup(
+            self, "ClusterPlacementGroup", strategy=ec2.PlacementGroupStrategy.CLUSTER
+        )
+        self._endpoints(config)
+        self._flow_logs(config)
+
+    # -- builders ------------------------------------------------------------------------------
+    def _security_groups(self) -> None:
+        """Nodes (EFA), FSx and, in a new VPC, the containers' default group."""
         # allow_all_outbound=False so the template states exactly what nodes may reach.
         self.efa_security_group = ec2.SecurityGroup(
             self,
@@ -91,13 +101,9 @@ class TrainingNetwork(Construct):
         if isinstance(self.vpc, ec2.Vpc):
             self.container_security_group = self._container_security_group(self.vpc)
 
-        # -- Placement group: all nodes of a job on one low-latency network spine ----------
-        self.placement_group = ec2.PlacementGroup(
-            self, "ClusterPlacementGroup", strategy=ec2.PlacementGroupStrategy.CLUSTER
-        )
-
-        # -- Endpoints (new VPC only: an existing VPC usually has them, and a second endpoint
-        #    with private DNS for the same service fails to create) -------------------------
+    def _endpoints(self, config: NetworkConfig) -> None:
+        """The S3 gateway and the interface endpoints. New VPC only: an existing VPC usually has
+        them, and a second endpoint with private DNS for the same service fails to create."""
         self.endpoint_security_group: ec2.SecurityGroup | None = None
         if config.vpc_id is None and config.vpc_endpoints:
             self.vpc.add_gateway_endpoint("S3", service=ec2.GatewayVpcEndpointAwsService.S3)
@@ -121,7 +127,7 @@ class TrainingNetwork(Construct):
                     private_dns_enabled=True,
                 )
 
-        # -- Flow logs ---------------------------------------------------------------------
+    def _flow_logs(self, config: NetworkConfig) -> None:
         flow_log_group = logs.LogGroup(
             self,
             "FlowLogGroup",
@@ -136,7 +142,6 @@ class TrainingNetwork(Construct):
             traffic_type=ec2.FlowLogTrafficType.ALL,
         )
 
-    # -- builders ------------------------------------------------------------------------------
     def _new_vpc(self, config: NetworkConfig, training_az_id: str) -> tuple[ec2.Vpc, ec2.ISubnet]:
         """A one-zone VPC whose subnets name their zone by ID. The L2 takes zone names; it is
         given the zone ID as the name (it does not validate offline) and every subnet's

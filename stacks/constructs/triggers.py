@@ -29,7 +29,7 @@ from constructs import Construct
 from aws_cdk import Duration
 
 from pipeline_steps.contract import FSX_DATA
-from stacks.constructs.monitoring import encrypted_log_group, express_state_machine
+from stacks.constructs.log_delivery import encrypted_log_group, express_state_machine
 from stacks.pipeline_config import PipelineConfig
 
 # Transient StartExecution failures: throttling (https://docs.aws.amazon.com/step-functions/latest/apireference/CommonErrors.html),
@@ -50,6 +50,29 @@ class RunTrigger(Construct):
     def __init__(self, scope: Construct, construct_id: str, *, config: PipelineConfig,
                  data_bucket: s3.IBucket, pipeline: sfn.IStateMachine, key: kms.IKey) -> None:
         super().__init__(scope, construct_id)
+        parse = self._parse_and_start(config, pipeline)
+        self.starter = express_state_machine(
+            self, "Starter", definition=parse, log_group=encrypted_log_group(self, "StarterLogs", key),
+            comment="Starts one training pipeline run per uploaded dataset version (idempotent by name)")
+        pipeline.grant_start_execution(self.starter)
+
+        self.rule = events.Rule(
+            self, "NewDataRule",
+            enabled=config.trigger_enabled,
+            description=f"{config.incoming_prefix}<dataset>/<version>/{config.success_marker} created -> training run",
+            event_pattern=events.EventPattern(
+                source=["aws.s3"],
+                detail_type=["Object Created"],
+                detail={
+                    "bucket": {"name": [data_bucket.bucket_name]},
+                    "object": {"key": [{"wildcard": f"{config.incoming_prefix}*/{config.success_marker}"}]},
+                },
+            ),
+            targets=[targets.SfnStateMachine(self.starter, retry_attempts=8)],
+        )
+
+    def _parse_and_start(self, config: PipelineConfig, pipeline: sfn.IStateMachine) -> sfn.IChainable:
+        """ParseKey -> DescribeUpload -> CheckKeyDepth -> StartPipeline (-> StartPipelineHashedName)."""
         depth = config.incoming_prefix.count("/")  # key segments before <dataset>
         ds, ver = f"$.parts[{depth}]", f"$.parts[{depth + 1}]"
 
@@ -97,26 +120,7 @@ class RunTrigger(Construct):
                                  cause=f"Expected {config.incoming_prefix}<dataset>/<version>/{config.success_marker}"))
         parse.next(describe)
         describe.next(check)
-
-        self.starter = express_state_machine(
-            self, "Starter", definition=parse, log_group=encrypted_log_group(self, "StarterLogs", key),
-            comment="Starts one training pipeline run per uploaded dataset version (idempotent by name)")
-        pipeline.grant_start_execution(self.starter)
-
-        self.rule = events.Rule(
-            self, "NewDataRule",
-            enabled=config.trigger_enabled,
-            description=f"{config.incoming_prefix}<dataset>/<version>/{config.success_marker} created -> training run",
-            event_pattern=events.EventPattern(
-                source=["aws.s3"],
-                detail_type=["Object Created"],
-                detail={
-                    "bucket": {"name": [data_bucket.bucket_name]},
-                    "object": {"key": [{"wildcard": f"{config.incoming_prefix}*/{config.success_marker}"}]},
-                },
-            ),
-            targets=[targets.SfnStateMachine(self.starter, retry_attempts=8)],
-        )
+        return parse
 
     def _start(self, name: str, pipeline: sfn.IStateMachine, execution_input: dict, name_expr: str) -> sfn.CustomState:
         state = sfn.CustomState(self, name, state_json={

@@ -362,20 +362,6 @@ def test_job_definitions_run_the_contract_steps(dev_templates):
     assert canary[0] == "sanity" and canary[canary.index("--run-dir") + 1].startswith(f"{FSX_CANARY}/")
 
 
-def test_monitoring_watches_the_heartbeat_names_the_steps_publish():
-    """The stall alarm and the dashboard (stacks/constructs/monitoring.py) name the metrics the
-    heartbeat publishes (pipeline_steps/contract.py)."""
-    from pipeline_steps import contract
-    from stacks.constructs import monitoring
-
-    assert (monitoring.HEARTBEAT_NAMESPACE, monitoring.HEARTBEAT_STEP_METRIC, monitoring.HEARTBEAT_LOSS_METRIC,
-            monitoring.HEARTBEAT_THROUGHPUT_METRIC, monitoring.HEARTBEAT_STAGE_DIMENSION,
-            monitoring.HEARTBEAT_RUN_DIMENSION) == \
-        (contract.HEARTBEAT_NAMESPACE, contract.HEARTBEAT_STEP_METRIC, contract.HEARTBEAT_LOSS_METRIC,
-         contract.HEARTBEAT_THROUGHPUT_METRIC, contract.HEARTBEAT_STAGE_DIMENSION, contract.HEARTBEAT_RUN_DIMENSION)
-    assert monitoring.JOB_EVENT_RUN_ID_PATH == f"$.detail.parameters.{contract.RUN_ID_PARAMETER}"
-
-
 def test_every_job_sets_the_environment_the_image_and_steps_read(dev_templates):
     """The variables the entrypoint and the steps read (names in pipeline_steps/contract.py) are in
     every job definition's environment; the torchrun rendezvous bound in the multi-node ones."""
