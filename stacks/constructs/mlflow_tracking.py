@@ -14,8 +14,10 @@ from __future__ import annotations
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_s3 as s3
 from aws_cdk import aws_sagemaker as sagemaker
-from cdk_nag import NagPackSuppression, NagSuppressions, RegexAppliesTo
+from cdk_nag import NagPackSuppression, NagSuppressions
 from constructs import Construct
+
+from stacks.constructs.secure_bucket import acknowledge_bucket_grants
 
 
 class MlflowTracking(Construct):
@@ -30,25 +32,13 @@ class MlflowTracking(Construct):
         self.role = iam.Role(self, "ServerRole", assumed_by=iam.ServicePrincipal("sagemaker.amazonaws.com"),
                              description="SageMaker MLflow tracking server: artifact store access")
         artifacts_bucket.grant_read_write(self.role, f"{prefix}/*")
-        NagSuppressions.add_resource_suppressions(
+        acknowledge_bucket_grants(
             self.role,
-            [
-                NagPackSuppression(
-                    id="AwsSolutions-IAM5",
-                    reason="artifacts_bucket.grant_read_write(role, 'mlflow/*'): the tracking server writes run "
-                    "artifacts under arbitrary keys below the mlflow/ prefix only; the action groups "
-                    "(s3:GetObject*, s3:List*, kms:GenerateDataKey*, ...) are CDK's minimal grant sets.",
-                    applies_to=[
-                        RegexAppliesTo(
-                            regex=r"/^Resource::(<|.*ExportsOutputFnGetAtt)ArtifactsBucket[0-9A-F]+"
-                            r"(\.Arn>|Arn[0-9A-F]+)\/mlflow\/\*$/g"
-                        ),
-                        RegexAppliesTo(regex=r"/^Action::s3:(GetBucket|GetObject|List|Abort|DeleteObject|PutObject)\*$/g"),
-                        RegexAppliesTo(regex=r"/^Action::kms:(GenerateDataKey|ReEncrypt)\*$/g"),
-                    ],
-                )
-            ],
-            apply_to_children=True,
+            reason="artifacts_bucket.grant_read_write(role, 'mlflow/*'): the tracking server writes run "
+            "artifacts under arbitrary keys below the mlflow/ prefix only; the action groups "
+            "(s3:GetObject*, s3:List*, kms:GenerateDataKey*, ...) are CDK's minimal grant sets.",
+            objects_regex=r"/^Resource::(<|.*ExportsOutputFnGetAtt)ArtifactsBucket[0-9A-F]+"
+            r"(\.Arn>|Arn[0-9A-F]+)\/mlflow\/\*$/g",
         )
         self.server = sagemaker.CfnMlflowTrackingServer(
             self, "Server",

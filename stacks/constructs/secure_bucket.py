@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from aws_cdk import Duration, RemovalPolicy
+from aws_cdk import aws_iam as iam
 from aws_cdk import aws_kms as kms
 from aws_cdk import aws_s3 as s3
-from cdk_nag import NagPackSuppression, NagSuppressions
+from cdk_nag import NagPackSuppression, NagSuppressions, RegexAppliesTo
 from constructs import Construct
 
 
@@ -93,3 +94,24 @@ def secure_bucket(
         assert isinstance(cfn, s3.CfnBucket)
         cfn.add_property_override("NotificationConfiguration.EventBridgeConfiguration.EventBridgeEnabled", True)
     return bucket
+
+
+def acknowledge_bucket_grants(role: iam.IRole, *, objects_regex: str, reason: str) -> None:
+    """Acknowledge cdk-nag IAM5 on `role` for what bucket.grant_read / grant_read_write generate:
+    the object ARNs matched by `objects_regex` (the caller's reason says why arbitrary keys) and
+    CDK's minimal action groups (s3:GetObject*, s3:List*, kms:GenerateDataKey*, ...)."""
+    NagSuppressions.add_resource_suppressions(
+        role,
+        [
+            NagPackSuppression(
+                id="AwsSolutions-IAM5",
+                reason=reason,
+                applies_to=[
+                    RegexAppliesTo(regex=objects_regex),
+                    RegexAppliesTo(regex=r"/^Action::s3:(GetBucket|GetObject|List|Abort|DeleteObject|PutObject)\*$/g"),
+                    RegexAppliesTo(regex=r"/^Action::kms:(GenerateDataKey|ReEncrypt)\*$/g"),
+                ],
+            )
+        ],
+        apply_to_children=True,
+    )

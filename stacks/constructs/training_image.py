@@ -11,7 +11,6 @@ from pathlib import Path
 
 from aws_cdk import IgnoreMode
 from aws_cdk import aws_ecr_assets as ecr_assets
-from aws_cdk import aws_ecs as ecs
 from constructs import Construct
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

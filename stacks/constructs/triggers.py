@@ -74,7 +74,6 @@ class RunTrigger(Construct):
     def _parse_and_start(self, config: PipelineConfig, pipeline: sfn.IStateMachine) -> sfn.IChainable:
         """ParseKey -> DescribeUpload -> CheckKeyDepth -> StartPipeline (-> StartPipelineHashedName)."""
         depth = config.incoming_prefix.count("/")  # key segments before <dataset>
-        ds, ver = f"$.parts[{depth}]", f"$.parts[{depth + 1}]"
 
         parse = sfn.CustomState(self, "ParseKey", state_json={
             "Type": "Pass",
