@@ -1,23 +1,11 @@
 #!/usr/bin/env python3
 """CDK app: the only place that reads the outside world (context, environment).
 
-Choosing the stage (context key `stage`, default "dev" from cdk.json; stacks/config.py STAGES):
+    npx cdk synth -c stage=prod -c training_az_id=<zone id>                          # the cdk CLI
+    CDK_CONTEXT_JSON='{"stage":"prod","training_az_id":"<zone id>"}' python app.py     # plain python
 
-    npx cdk synth -c stage=prod                                   # the cdk CLI
-    CDK_CONTEXT_JSON='{"stage":"prod"}' python app.py             # plain python (what `make synth` runs)
-
-The cdk CLI hands its context (cdk.json + every `-c key=value`) to the app in the environment
-variable CDK_CONTEXT_JSON, and `cdk.App` reads it (over cdk.json's defaults, which this file also
-loads so plain python synthesizes exactly what `cdk synth` does). `python app.py -c stage=prod`
-would be silently ignored by plain python -- so this app refuses command-line arguments instead.
-
-Context key `training_az_id` (required to synthesize): the zone ID of the training zone, e.g.
-`-c training_az_id=<zone id>`; docs/infrastructure.md shows how to list the zones that offer the
-training instance type. Other context keys: region / account (else CDK_DEFAULT_REGION / CDK_DEFAULT_ACCOUNT, which the
-cdk CLI sets from your credentials, else the stage's defaults: region pinned, account-agnostic),
-git_commit (else `git rev-parse HEAD` of this checkout, else "unknown": the training image's
-GIT_COMMIT build arg, so a given commit always synthesizes the same image asset), nag=false to
-skip cdk-nag. The output goes to $CDK_OUTDIR (set by the cdk CLI) or ./cdk.out.
+Context keys: stage (default "dev", stacks/config.py STAGES), training_az_id (required), region,
+account, git_commit, nag=false; docs/infrastructure.md ("Synthesize, test, choose the stage").
 """
 
 from __future__ import annotations
@@ -59,6 +47,8 @@ def git_head() -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # The cdk CLI hands its context (cdk.json + every `-c key=value`) to the app in CDK_CONTEXT_JSON;
+    # plain python would silently ignore `python app.py -c stage=prod`, so arguments are refused.
     if argv:
         print(f"app.py: unexpected arguments {argv}.\n{USAGE}", file=sys.stderr)
         return 2
@@ -68,8 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         stage = get_stage(str(app.node.try_get_context("stage") or "dev"))
         cfg = stage.with_env(
+            # CDK_DEFAULT_*: what the cdk CLI sets from your credentials; else the stage's defaults
+            # (region pinned, account-agnostic).
             account=app.node.try_get_context("account") or os.environ.get("CDK_DEFAULT_ACCOUNT"),
             region=app.node.try_get_context("region") or os.environ.get("CDK_DEFAULT_REGION"),
+            # The training image's GIT_COMMIT build arg: a given commit always synthesizes the same
+            # image asset ("unknown" outside a git work tree).
             git_commit=str(app.node.try_get_context("git_commit") or git_head() or "unknown"),
             training_az_id=app.node.try_get_context("training_az_id") or None,
         )
