@@ -1,17 +1,8 @@
-"""Typed stage configuration: one frozen `StageConfig` per stage ("dev", "prod").
-
-app.py is the only reader of the outside world (CDK context and environment); it picks a stage
-with `-c stage=NAME` and may override the account/region from the CDK environment. Everything
-below is plain data, validated in `__post_init__` with fix-it `ValueError`s, so a bad value fails
-at synth time on a laptop instead of half-way through a CloudFormation deployment.
-
-The per-instance-type table `INSTANCE_TYPES` (defined in pipeline_steps/contract.py, shared with
-the steps) is the single source of truth for EFA interface counts, Neuron devices and cores: the
-launch templates, the job definitions' device lists, the user-data health checks, NPROC_PER_NODE
-and the sanity step's expected counts are all generated from it.
-
-Neuron AMI pins live in the committed file stacks/neuron_amis.json (written by
-`scripts/infra_pin_ami.sh <region>`); see `ComputeConfig.neuron_ami_ids` and `StageConfig.neuron_ami`.
+"""Typed stage configuration: one frozen `StageConfig` per stage ("dev", "prod"), chosen by app.py
+(`-c stage=NAME`, which may also override the account/region). Plain data, validated in
+`__post_init__` with fix-it `ValueError`s, so a bad value fails at synth time on a laptop instead of
+half-way through a CloudFormation deployment. Neuron AMI pins: the committed stacks/neuron_amis.json
+(`scripts/infra_pin_ami.sh <region>`; `ComputeConfig.neuron_ami_ids`, `StageConfig.neuron_ami`).
 """
 
 from __future__ import annotations
@@ -29,8 +20,9 @@ from pipeline_steps.contract import InstanceSpec
 from stacks.pipeline_config import PipelineConfig
 
 
-# The instance table lives in pipeline_steps.contract (pure Python): `sanity` checks hosts against
-# the same rows the launch templates and job definitions are generated from.
+# The instance table lives in pipeline_steps.contract (pure Python), the one source of EFA interface
+# counts, Neuron devices and cores: the launch templates, the job definitions' device lists, the
+# user-data checks and NPROC_PER_NODE are generated from it, and `sanity` checks hosts against it.
 INSTANCE_TYPES = contract.INSTANCE_TYPES
 
 _AMI_RE = re.compile(r"^ami-[0-9a-f]{8}([0-9a-f]{9})?$")
