@@ -1,16 +1,6 @@
-"""Hourly canary: a small sanity job on the single-node queue, and an alarm when it fails or does not run.
-
-EventBridge Scheduler's universal target calls batch:SubmitJob directly, because the classic
-EventBridge Batch target has no ShareIdentifier and the single-node queue is fair-share
-(https://docs.aws.amazon.com/scheduler/latest/UserGuide/managing-targets-universal.html).
-Outcome: a rule on the canary job's SUCCEEDED events (logged to a log group, which also keeps the
-history). The alarm compares, per window of two intervals, the schedule's invocation attempts
-(its own schedule group's InvocationAttemptCount) with that rule's TriggeredRules: two canaries
-submitted and none succeeded (a failure, a failed submission, a job stuck RUNNABLE) -> ALARM.
-Right after a deploy nothing was submitted yet, so the alarm stays OK instead of breaching on the
-missing success metric
-(https://docs.aws.amazon.com/scheduler/latest/UserGuide/monitoring-cloudwatch.html).
-A rule on FAILED events notifies at once with the status reason.
+"""Hourly canary: a small sanity job on the single-node queue (EventBridge Scheduler), a
+notification when it fails, and an alarm when canaries were submitted and none succeeded.
+docs/orchestration.md ("Watching: canary, stuck jobs, dashboard") describes the alarm.
 """
 
 from __future__ import annotations
@@ -60,6 +50,9 @@ class Canary(Construct):
             schedule_group=self.schedule_group,
             schedule=scheduler.ScheduleExpression.rate(Duration.minutes(minutes)),
             description=f"Canary: sanity job on the single-node queue every {minutes} minutes",
+            # The universal target calls batch:SubmitJob directly: the classic EventBridge Batch target
+            # has no ShareIdentifier, and the single-node queue is fair-share
+            # (https://docs.aws.amazon.com/scheduler/latest/UserGuide/managing-targets-universal.html).
             target=scheduler_targets.Universal(
                 service="batch", action="submitJob",
                 input=scheduler.ScheduleTargetInput.from_object(submit),
@@ -72,6 +65,8 @@ class Canary(Construct):
         # The group's name is a literal, so CloudFormation would not otherwise order the two.
         self.schedule.node.add_dependency(self.schedule_group)
 
+        # The outcome: a rule on the canary job's SUCCEEDED events (logged, which also keeps the
+        # history) and one on its FAILED events (notified at once, with the status reason).
         detail = {"jobDefinition": [job_definition.job_definition_arn], "jobQueue": [queue.job_queue_arn]}
         self.success_rule = events.Rule(
             self, "SucceededRule",
@@ -88,7 +83,10 @@ class Canary(Construct):
         self._alarm_when_not_succeeding(topic, minutes)
 
     def _alarm_when_not_succeeding(self, topic: sns.ITopic, minutes: int) -> None:
-        # Two intervals: one late run (cold instance start) is not an outage.
+        # Per window of two intervals (one late run, a cold instance start, is not an outage), the
+        # schedule group's invocation attempts against the success rule's TriggeredRules: two
+        # canaries submitted and none succeeded (a failure, a failed submission, a job stuck
+        # RUNNABLE) -> ALARM (https://docs.aws.amazon.com/scheduler/latest/UserGuide/monitoring-cloudwatch.html).
         window = Duration.minutes(min(2 * minutes, 24 * 60))
         submitted = self.schedule_group.metric_attempts(statistic="Sum", period=window)
         succeeded = cw.Metric(namespace="AWS/Events", metric_name="TriggeredRules",
