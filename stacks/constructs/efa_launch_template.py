@@ -1,19 +1,6 @@
-"""EC2 launch template for Trainium Batch nodes, generated from the instance table.
-
-- Network interfaces: card 0 / DeviceIndex 0, cards 1..N-1 / DeviceIndex 1, all `efa`, with the
-  EFA security group on every interface (Neuron docs, setup-trn1-multi-node-execution). No subnet:
-  Batch launches into the compute environment's subnet (the single training subnet).
-  Instance types without EFA (trn1.2xlarge) declare no interfaces; their compute environment then
-  carries the security group instead.
-- Optional reserved capacity (an On-Demand Capacity Reservation or Capacity Block by id, or a
-  reservation group) for the training nodes: stacks/config.py CapacityReservation.
-- >= 200 GB gp3 encrypted root volume with provisioned throughput/IOPS (the image pull onto it is
-  on every node's startup path), IMDSv2 required (hop limit 1: containers get credentials
-  from the ECS task-role endpoint, never from the instance role), terminate on shutdown so the
-  fail-fast checks below remove a bad host instead of leaving it stopped.
-- MIME multi-part user data (Batch requires it in launch templates) that fails fast on a Neuron
-  driver older than the image needs or a wrong Neuron/EFA device count, and mounts FSx with retries.
-  cloud-init runs it before the ECS agent starts, so no job lands on a host that failed a check.
+"""EC2 launch template for Trainium Batch nodes, generated from the instance table: EFA network
+interfaces, optional reserved capacity, an encrypted gp3 root volume, IMDSv2, and user data that
+refuses a host with an old Neuron driver or wrong Neuron/EFA device counts and mounts FSx.
 """
 
 from __future__ import annotations
@@ -72,7 +59,12 @@ echo "trainium-node-init ok: driver $driver, $neuron_count neuron, $efa_count ef
 
 
 def network_interfaces(spec: InstanceSpec, security_group_id: str) -> list[dict[str, object]]:
-    """LaunchTemplateData.NetworkInterfaces for `spec` (empty without EFA)."""
+    """LaunchTemplateData.NetworkInterfaces for `spec`: card 0 / DeviceIndex 0, cards 1..N-1 /
+    DeviceIndex 1, all `efa`, the EFA security group on every interface
+    (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/frameworks/torch/torch-neuronx/setup-trn1-multi-node-execution.html).
+    No subnet: Batch launches into the compute environment's subnet, the one training subnet
+    (https://docs.aws.amazon.com/batch/latest/userguide/launch-templates.html). Empty without EFA
+    (trn1.2xlarge): that compute environment then carries the security group itself."""
     return [
         {
             "NetworkCardIndex": card,
@@ -86,7 +78,8 @@ def network_interfaces(spec: InstanceSpec, security_group_id: str) -> list[dict[
 
 
 def node_boot_script(spec: InstanceSpec, *, min_driver: str, fsx_dns_name: str, fsx_mount_name: str) -> str:
-    """The boot checks + FSx mount (bash, without the shebang UserData.for_linux adds)."""
+    """The boot checks + FSx mount (bash, without the shebang UserData.for_linux adds). cloud-init
+    runs it before the ECS agent starts, so no job lands on a host that failed a check."""
     return _USER_DATA.format(
         efa=spec.efa_interfaces,
         neuron=spec.neuron_devices,
@@ -98,7 +91,8 @@ def node_boot_script(spec: InstanceSpec, *, min_driver: str, fsx_dns_name: str, 
 
 
 def node_user_data(spec: InstanceSpec, *, min_driver: str, fsx_dns_name: str, fsx_mount_name: str) -> ec2.MultipartUserData:
-    """The boot script as a MIME multi-part document (what Batch requires in launch templates)."""
+    """The boot script as a MIME multi-part document, which Batch requires of launch-template user
+    data (https://docs.aws.amazon.com/batch/latest/userguide/launch-templates.html)."""
     shell = ec2.UserData.for_linux()
     shell.add_commands(
         node_boot_script(spec, min_driver=min_driver, fsx_dns_name=fsx_dns_name, fsx_mount_name=fsx_mount_name)
@@ -131,9 +125,13 @@ class EfaLaunchTemplate(Construct):
         self.launch_template = ec2.LaunchTemplate(
             self,
             "LaunchTemplate",
+            # Hop limit 1: containers get credentials from the ECS task-role endpoint, never from
+            # the instance role.
             require_imdsv2=True,
             http_put_response_hop_limit=1,
+            # A host that fails a boot check shuts down; terminate removes it instead of leaving it stopped.
             instance_initiated_shutdown_behavior=ec2.InstanceInitiatedShutdownBehavior.TERMINATE,
+            # gp3 with provisioned throughput/IOPS: the image pull onto it is on every node's startup path.
             block_devices=[
                 ec2.BlockDevice(
                     device_name="/dev/xvda",  # root device of the AL2023 ECS AMIs
@@ -156,7 +154,8 @@ class EfaLaunchTemplate(Construct):
             assert isinstance(cfn, ec2.CfnLaunchTemplate)
             cfn.add_property_override("LaunchTemplateData.NetworkInterfaces", self.interfaces)
         if capacity_reservation is not None:
-            # The L2 has no capacity-reservation property either.
+            # The L2 has no capacity-reservation property either (stacks/config.py CapacityReservation:
+            # an On-Demand Capacity Reservation or Capacity Block by id, or a reservation group).
             cfn = self.launch_template.node.default_child
             assert isinstance(cfn, ec2.CfnLaunchTemplate)
             for name, value in capacity_reservation.launch_template_data().items():
