@@ -1,21 +1,8 @@
-"""AWS Batch job definitions for the pipeline steps.
-
-Multi-node (sanity, compile, train) on the training instance type; single-node (prepare, validate,
-embed as an array job, export, canary) on the small instance type. Device lists, NPROC_PER_NODE,
-INSTANCE_TYPE (what MLflow records and the cost is priced by) and the EFA environment come from the
-instance table (pipeline_steps/contract.py INSTANCE_TYPES, which `sanity` checks hosts against),
-never pasted. Compile and Train run one training command with one environment
-(`training_arguments`, `training_environment`, from the stage's TrainingConfig).
-
-Commands: the image entrypoint (training_image/entrypoint.sh) receives
-`<step> --run-dir /fsx/runs/Ref::run_id ...`. Batch parameters cannot be optional, so every
-optional flag has a default of "" and the entrypoint drops a flag whose value is empty.
-
-Retry strategy (evaluateOnExit, first match wins): retry host/infrastructure failures
-(statusReason "Host EC2*") and the steps' RETRYABLE exit code 75; exit on everything else
-(0, 1, 2, 65 bad input, 78 bad config -- including a graph the Neuron compiler rejects, which
-the compile cache remembers as failed, so a retry would only repeat it -- 79 gate failed, 80
-non-finite loss). For multi-node jobs Batch acts on the main node's exit code only.
+"""AWS Batch job definitions for the pipeline steps, generated from the instance table and the
+stage's TrainingConfig (docs/infrastructure.md): multi-node (sanity, compile, train) on the training
+instance type, single-node (prepare, validate, embed as an array job, export, canary) on the small one.
+Each command goes to the image entrypoint as `<step> --run-dir /fsx/runs/Ref::run_id ...`. Batch
+parameters cannot be optional, so an optional flag defaults to "" and the entrypoint drops it.
 """
 
 from __future__ import annotations
@@ -152,10 +139,19 @@ def container_memory(spec: InstanceSpec) -> Size:
     return Size.gibibytes(spec.memory_gib - max(4, spec.memory_gib // 16))
 
 
+# From the instance table, never pasted: NPROC_PER_NODE (torchrun's processes per node) and
+# INSTANCE_TYPE (the row `sanity` checks the host against; MLflow records it).
 def _node_env(spec: InstanceSpec) -> dict[str, str]:
     return {NPROC_PER_NODE_ENV: str(spec.neuron_cores), INSTANCE_TYPE_ENV: spec.name}
 
 
+# evaluateOnExit, first match wins
+# (https://docs.aws.amazon.com/batch/latest/APIReference/API_EvaluateOnExit.html): retry host
+# failures ("Host EC2*") and the steps' retryable exit code 75; exit on everything else (0, 1, 2,
+# 65 bad input, 78 bad config -- including a graph the Neuron compiler rejects, which the compile
+# cache remembers as failed, so a retry would only repeat it -- 79 gate failed, 80 non-finite loss).
+# A multi-node job's status is its main node's
+# (https://docs.aws.amazon.com/batch/latest/userguide/multi-node-parallel-jobs.html).
 def retry_strategies() -> list[batch.RetryStrategy]:
     return [
         batch.RetryStrategy.of(batch.Action.RETRY, batch.Reason.custom(on_status_reason="Host EC2*")),
