@@ -1,23 +1,7 @@
-"""The training network: VPC (new or existing) in one zone chosen by zone ID, cluster placement
-group, the security groups of nodes, containers and FSx, VPC endpoints and flow logs.
-
-Facts this encodes:
-- Instances with several network interfaces get no public IP, so nodes sit in private subnets and
-  reach AWS APIs through VPC endpoints (and/or NAT).
-- The EFA security group must allow all traffic in and out to itself
-  (https://docs.aws.amazon.com/batch/latest/userguide/efa.html).
-- Multi-node parallel containers use the awsvpc network mode: each gets its own network interface
-  with the compute environment's security groups, or the VPC's default security group when the
-  compute environment has none (https://docs.aws.amazon.com/batch/latest/userguide/mnp-ce.html).
-  The training compute environment has none (they live on its EFA interfaces), so the default
-  group is the containers' group: all traffic between the containers, HTTPS out, Lustre to FSx.
-- FSx for Lustre needs TCP 988 and 1018-1023 in and out between the file system's group and its
-  clients' groups, and within the file system's group (1018-1023 contains the 1021-1023 older
-  guides give): https://docs.aws.amazon.com/fsx/latest/LustreGuide/limit-access-security-groups.html
-- Zones by ID: a zone ID (use1-az6) is the same physical zone in every account, a zone name
-  (us-east-1a) is not; the subnets use AvailabilityZoneId, so no template names a zone
-  (https://docs.aws.amazon.com/global-infrastructure/latest/regions/az-ids.html).
-- One zone, one cluster placement group, FSx in the same subnet.
+"""The training network: a VPC (new or existing) in one zone chosen by zone ID, with a cluster
+placement group, the security groups of nodes (EFA), containers and FSx, VPC endpoints and flow
+logs. Nodes and FSx share the one private training subnet; docs/infrastructure.md ("Why the network
+looks the way it does") gives the reasons.
 """
 
 from __future__ import annotations
@@ -31,7 +15,9 @@ from stacks.config import NetworkConfig
 from stacks.constructs.retention import retention_days
 
 LUSTRE_PORTS: tuple[tuple[int, int], ...] = ((988, 988), (1018, 1023))
-"""TCP port ranges FSx for Lustre (LNET) uses between clients and file servers."""
+"""TCP port ranges FSx for Lustre (LNET) uses, in and out, between the file system's group and its
+clients' groups and within the file system's group (1018-1023 contains the 1021-1023 older guides
+give): https://docs.aws.amazon.com/fsx/latest/LustreGuide/limit-access-security-groups.html"""
 
 # Interface endpoints a Batch ECS node needs without NAT: image pull (ECR api + dkr; layers come
 # from S3 through the gateway endpoint), the ECS agent (ecs, ecs-agent, ecs-telemetry), container
@@ -96,6 +82,8 @@ class TrainingNetwork(Construct):
             port = _tcp(low, high)
             self.fsx_security_group.add_ingress_rule(self.fsx_security_group, port, "Lustre between file servers")
             self.fsx_security_group.add_egress_rule(self.fsx_security_group, port, "Lustre between file servers")
+        # The EFA security group must allow all traffic in and out to itself
+        # (https://docs.aws.amazon.com/batch/latest/userguide/efa.html).
         self._allow_cluster_traffic(self.efa_security_group, "EFA/collectives")
         self.container_security_group: ec2.ISecurityGroup | None = None
         if isinstance(self.vpc, ec2.Vpc):
@@ -143,9 +131,11 @@ class TrainingNetwork(Construct):
         )
 
     def _new_vpc(self, config: NetworkConfig, training_az_id: str) -> tuple[ec2.Vpc, ec2.ISubnet]:
-        """A one-zone VPC whose subnets name their zone by ID. The L2 takes zone names; it is
-        given the zone ID as the name (it does not validate offline) and every subnet's
-        AvailabilityZone is then replaced by AvailabilityZoneId."""
+        """A one-zone VPC whose subnets name their zone by ID: a zone ID (use1-az6) is the same
+        physical zone in every account, a zone name (us-east-1a) is not
+        (https://docs.aws.amazon.com/global-infrastructure/latest/regions/az-ids.html). The L2 takes
+        zone names; it is given the zone ID as the name (it does not validate offline) and every
+        subnet's AvailabilityZone is then replaced by AvailabilityZoneId, so no template names a zone."""
         private_type = (
             ec2.SubnetType.PRIVATE_WITH_EGRESS if config.nat_gateways > 0 else ec2.SubnetType.PRIVATE_ISOLATED
         )
@@ -187,7 +177,9 @@ class TrainingNetwork(Construct):
             self.fsx_security_group.add_egress_rule(group, port, f"Lustre to {what}")
 
     def _container_security_group(self, vpc: ec2.Vpc) -> ec2.ISecurityGroup:
-        """The VPC's default group, which multi-node containers' awsvpc interfaces get: torchrun's
+        """The VPC's default group, which multi-node containers' awsvpc interfaces get when the
+        compute environment has no security groups, as the training one has none (they live on its
+        EFA interfaces) (https://docs.aws.amazon.com/batch/latest/userguide/mnp-ce.html). torchrun's
         store, the Neuron root communicator and the collectives bootstrap talk container to
         container on it, and S3, ECR, the compile cache and MLflow are reached over HTTPS.
         Its rules are created after the custom resource that strips the default rules."""
