@@ -1,24 +1,7 @@
-"""AWS Batch managed EC2 compute environments, fair-share policy and job queues for Trainium.
-
-CDK L2 pitfalls handled here:
-- `security_groups=[]` and the SecurityGroupIds property removed: Batch rejects a compute
-  environment with security groups when its launch template declares network interfaces, and the
-  L2 otherwise creates a default group (aws/aws-cdk#21577, fixed by #21579 allowing []).
-- `use_optimal_instance_classes=False` (else "optimal" is added to the instance types),
-  `maxv_cpus` = vCPUs x max nodes (the L2 default 256 is two trn1.32xlarge), On-Demand only
-  (multi-node parallel jobs do not run on Spot).
-- The launch template version is pinned to the template's LatestVersionNumber (the L2 renders only
-  the id, i.e. $Default, so template edits would never roll out): L1 escape hatch.
-- The AMI is an image override with imageType ECS_AL2023 (Batch has no Neuron image type): a
-  pinned id, or for stages that allow it the SSM parameter CloudFormation resolves at deploy time
-  (`neuron_machine_image`; stacks/config.py ComputeConfig.allow_unpinned_ami).
-- One fair-share queue per compute environment. Batch tracks share identifiers per job queue and
-  does not aggregate them across queues
-  (https://docs.aws.amazon.com/batch/latest/userguide/share-identifiers.html), so production and
-  experiment runs share ONE training queue and their share identifiers' weights decide between
-  them; two queues on one compute environment would be ordered by queue priority instead and the
-  weights would never act. The policy is attached when the queues are created (it cannot be added
-  later) and `jobStateTimeLimitActions` cancel jobs stuck RUNNABLE.
+"""AWS Batch managed EC2 compute environments (training: multi-node, placement group; single-node),
+the fair-share scheduling policy and one job queue per compute environment, on the Neuron AMI.
+Comments mark where the CDK L2 needs an escape hatch; docs/infrastructure.md ("Fair share that
+decides", "Pinning the Neuron AMI") gives the reasons for the queue layout and the AMI policy.
 """
 
 from __future__ import annotations
@@ -33,7 +16,9 @@ from constructs import Construct
 from stacks.config import CapacityReservation, ComputeConfig, InstanceSpec, NeuronAmi
 from stacks.constructs.efa_launch_template import EfaLaunchTemplate
 
-# Queue name -> its compute environment's key: one queue each (see the module docstring).
+# Queue name -> its compute environment's key: one fair-share queue each, so production and
+# experiment runs share the training queue and the shares' weights decide between them
+# (docs/infrastructure.md, "Fair share that decides").
 QUEUES: dict[str, str] = {"training": "training", "single-node": "single-node"}
 
 
@@ -99,6 +84,7 @@ class TrainiumCompute(Construct):
             ],
         )
         self.machine_image = neuron_machine_image(self, ami, region)
+        # An image override with type ECS_AL2023: Batch has no Neuron image type.
         image = batch.EcsMachineImage(image=self.machine_image, image_type=batch.EcsMachineImageType.ECS_AL2023)
 
         self.launch_templates: dict[str, EfaLaunchTemplate] = {}
@@ -152,6 +138,8 @@ class TrainiumCompute(Construct):
                 compute_environments=[
                     batch.OrderedComputeEnvironment(compute_environment=self.compute_environments[ce_key], order=1)
                 ],
+                # At creation: a queue created without a fair-share policy cannot get one later
+                # (https://docs.aws.amazon.com/batch/latest/APIReference/API_CreateJobQueue.html).
                 scheduling_policy=self.scheduling_policy,
                 job_state_time_limit_actions=stuck,
             )
@@ -176,13 +164,16 @@ class TrainiumCompute(Construct):
             vpc=vpc,
             vpc_subnets=subnets,
             instance_types=[ec2.InstanceType(spec.name)],
-            use_optimal_instance_classes=False,
+            use_optimal_instance_classes=False,  # else the L2 adds "optimal" to the instance types
             minv_cpus=0,
-            maxv_cpus=spec.vcpus * max_instances,
-            spot=False,
+            maxv_cpus=spec.vcpus * max_instances,  # the L2 default 256 is two trn1.32xlarge
+            spot=False,  # multi-node parallel jobs do not run on Spot
             placement_group=placement_group,
             launch_template=template.launch_template,
-            # With EFA interfaces the group lives on the interfaces (aws/aws-cdk#21577).
+            # With EFA interfaces the group lives on the interfaces: Batch rejects a compute
+            # environment with security groups when its launch template declares network
+            # interfaces, and the L2 would otherwise create a default group (aws/aws-cdk#21577,
+            # fixed by #21579 allowing []); the SecurityGroupIds property is removed below.
             security_groups=[] if has_interfaces else [node_security_group],
             images=[image],
             instance_role=self.instance_role,
@@ -195,6 +186,8 @@ class TrainiumCompute(Construct):
         )
         cfn = ce.node.default_child
         assert isinstance(cfn, batch.CfnComputeEnvironment)
+        # The L2 renders only the template id, i.e. $Default, so template edits would never roll
+        # out: pin the version to the template's LatestVersionNumber.
         cfn.add_property_override(
             "ComputeResources.LaunchTemplate.Version", template.launch_template.latest_version_number
         )
