@@ -65,8 +65,7 @@ class Canary(Construct):
         # The group's name is a literal, so CloudFormation would not otherwise order the two.
         self.schedule.node.add_dependency(self.schedule_group)
 
-        # The outcome: a rule on the canary job's SUCCEEDED events (logged, which also keeps the
-        # history) and one on its FAILED events (notified at once, with the status reason).
+        # SUCCEEDED events feed the alarm and are logged (the canary's history); FAILED ones are notified.
         detail = {"jobDefinition": [job_definition.job_definition_arn], "jobQueue": [queue.job_queue_arn]}
         self.success_rule = events.Rule(
             self, "SucceededRule",
@@ -83,10 +82,7 @@ class Canary(Construct):
         self._alarm_when_not_succeeding(topic, minutes)
 
     def _alarm_when_not_succeeding(self, topic: sns.ITopic, minutes: int) -> None:
-        # Per window of two intervals (one late run, a cold instance start, is not an outage), the
-        # schedule group's invocation attempts against the success rule's TriggeredRules: two
-        # canaries submitted and none succeeded (a failure, a failed submission, a job stuck
-        # RUNNABLE) -> ALARM (https://docs.aws.amazon.com/scheduler/latest/UserGuide/monitoring-cloudwatch.html).
+        # Two intervals: one late run (cold instance start) is not an outage.
         window = Duration.minutes(min(2 * minutes, 24 * 60))
         submitted = self.schedule_group.metric_attempts(statistic="Sum", period=window)
         succeeded = cw.Metric(namespace="AWS/Events", metric_name="TriggeredRules",

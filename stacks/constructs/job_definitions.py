@@ -147,11 +147,8 @@ def _node_env(spec: InstanceSpec) -> dict[str, str]:
 
 # evaluateOnExit, first match wins
 # (https://docs.aws.amazon.com/batch/latest/APIReference/API_EvaluateOnExit.html): retry host
-# failures ("Host EC2*") and the steps' retryable exit code 75; exit on everything else (0, 1, 2,
-# 65 bad input, 78 bad config -- including a graph the Neuron compiler rejects, which the compile
-# cache remembers as failed, so a retry would only repeat it -- 79 gate failed, 80 non-finite loss).
-# A multi-node job's status is its main node's
-# (https://docs.aws.amazon.com/batch/latest/userguide/multi-node-parallel-jobs.html).
+# failures and the steps' retryable exit code 75, exit on everything else (docs/infrastructure.md:
+# the exit-code contract, and why a graph the Neuron compiler rejects, 78, is not retried).
 def retry_strategies() -> list[batch.RetryStrategy]:
     return [
         batch.RetryStrategy.of(batch.Action.RETRY, batch.Reason.custom(on_status_reason="Host EC2*")),

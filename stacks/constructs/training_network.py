@@ -15,9 +15,7 @@ from stacks.config import NetworkConfig
 from stacks.constructs.retention import retention_days
 
 LUSTRE_PORTS: tuple[tuple[int, int], ...] = ((988, 988), (1018, 1023))
-"""TCP port ranges FSx for Lustre (LNET) uses, in and out, between the file system's group and its
-clients' groups and within the file system's group (1018-1023 contains the 1021-1023 older guides
-give): https://docs.aws.amazon.com/fsx/latest/LustreGuide/limit-access-security-groups.html"""
+"""TCP port ranges FSx for Lustre (LNET) uses between clients and file servers."""
 
 # Interface endpoints a Batch ECS node needs without NAT: image pull (ECR api + dkr; layers come
 # from S3 through the gateway endpoint), the ECS agent (ecs, ecs-agent, ecs-telemetry), container
@@ -131,11 +129,9 @@ class TrainingNetwork(Construct):
         )
 
     def _new_vpc(self, config: NetworkConfig, training_az_id: str) -> tuple[ec2.Vpc, ec2.ISubnet]:
-        """A one-zone VPC whose subnets name their zone by ID: a zone ID (use1-az6) is the same
-        physical zone in every account, a zone name (us-east-1a) is not
-        (https://docs.aws.amazon.com/global-infrastructure/latest/regions/az-ids.html). The L2 takes
-        zone names; it is given the zone ID as the name (it does not validate offline) and every
-        subnet's AvailabilityZone is then replaced by AvailabilityZoneId, so no template names a zone."""
+        """A one-zone VPC whose subnets name their zone by ID. The L2 takes zone names; it is
+        given the zone ID as the name (it does not validate offline) and every subnet's
+        AvailabilityZone is then replaced by AvailabilityZoneId."""
         private_type = (
             ec2.SubnetType.PRIVATE_WITH_EGRESS if config.nat_gateways > 0 else ec2.SubnetType.PRIVATE_ISOLATED
         )
@@ -177,9 +173,7 @@ class TrainingNetwork(Construct):
             self.fsx_security_group.add_egress_rule(group, port, f"Lustre to {what}")
 
     def _container_security_group(self, vpc: ec2.Vpc) -> ec2.ISecurityGroup:
-        """The VPC's default group, which multi-node containers' awsvpc interfaces get when the
-        compute environment has no security groups, as the training one has none (they live on its
-        EFA interfaces) (https://docs.aws.amazon.com/batch/latest/userguide/mnp-ce.html). torchrun's
+        """The VPC's default group, which multi-node containers' awsvpc interfaces get: torchrun's
         store, the Neuron root communicator and the collectives bootstrap talk container to
         container on it, and S3, ECR, the compile cache and MLflow are reached over HTTPS.
         Its rules are created after the custom resource that strips the default rules."""
