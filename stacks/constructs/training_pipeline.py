@@ -1,22 +1,6 @@
 """The training pipeline state machine: input checks -> Prepare -> Sanity -> Compile -> Train ->
-Validate -> gate -> Embed -> Export -> conditional publish. docs/orchestration.md has the diagram and reasons.
-
-Every Batch step is a raw-ASL `CustomState` on `arn:aws:states:::batch:submitJob.sync` because the
-CDK `BatchSubmitJob` task has no `ShareIdentifier` / `SchedulingPriorityOverride`, which every
-submission to a fair-share queue needs
-(https://docs.aws.amazon.com/step-functions/latest/dg/connect-batch.html).
-
-Execution input (defaults from PipelineConfig, merged by States.JsonMerge, input wins):
-    {"dataset": str (default "manual"), "version": str (required: runs publish in version order),
-     "data_uri": "/fsx/data/incoming/<dataset>/<version>" (required; must hold objects),
-     "init_from": "/fsx/runs/<run>" (default: the published model, else "" = from scratch),
-     "num_nodes": int, "share": str, "priority": int, "embed_shards": int}
-Every field is checked before any Batch job; a bad input ends in one notification listing each
-field to fix. "share" must be a share identifier of the training queue's fair-share policy (Batch
-would accept an undefined identifier with the default weight); production and experiment runs go
-to the same training queue, where the shares' weights decide. The gate baseline is always the published model's metrics, whatever init_from says.
-The run id is the execution name; every job gets it as the Batch parameter `run_id`, so all steps
-of one run share /fsx/runs/<run_id>.
+Validate -> gate -> Embed -> Export -> conditional publish, one Batch job per step on the fair-share
+queues. docs/orchestration.md has the diagram, the execution-input contract and the reasons.
 """
 
 from __future__ import annotations
@@ -250,6 +234,9 @@ class TrainingPipeline(Construct):
             params["Parameters"]["export_s3_uri.$"] = export_uri(self._bucket)
         state = self._states.raw(step.name, {
             "Type": "Task",
+            # Raw ASL: the CDK BatchSubmitJob task has no ShareIdentifier / SchedulingPriorityOverride,
+            # which every submission to a fair-share queue needs
+            # (https://docs.aws.amazon.com/step-functions/latest/dg/connect-batch.html).
             "Resource": "arn:aws:states:::batch:submitJob.sync",
             "Parameters": params,
             # Keep the state payload small (a multi-node DescribeJobs record is large).
