@@ -1,20 +1,8 @@
 """New data starts a run: S3 `incoming/<dataset>/<version>/_SUCCESS` -> EventBridge -> starter -> pipeline.
 
-EventBridge targets cannot set a Step Functions execution name, and the name is what makes a
-start idempotent (StartExecution with a used name fails with ExecutionAlreadyExists; names are
-unique per state machine for 90 days). So the rule targets a tiny Express "starter" state machine
-that derives the name from the key with intrinsic functions and calls states:startExecution.
-No Lambda.
-
-    rule (Object Created, key prefix incoming/, suffix /_SUCCESS)
-      -> Starter: ParseKey -> CheckKeyDepth -> StartPipeline(Name = "<dataset>-<version>")
-           ExecutionAlreadyExists -> AlreadyStarted (success: a duplicate event is a no-op)
-           any other refusal (InvalidName: a forbidden character; a name over 80 characters, which
-           the API's length constraint rejects before InvalidName; ...)
-             -> StartPipelineHashedName(Name = "upload-" + MD5("<dataset>/<version>"), always valid)
-           throttling: both starts retry with backoff (well inside the Express 5-minute limit),
-           so an upload is never lost to a busy API.
-Execution input: {"dataset", "version", "data_uri": "/fsx/data/<key dir>", "data_s3_uri", "source_key"}.
+The Express "starter" state machine (no Lambda) names the run "<dataset>-<version>" (else
+"upload-<md5>"), so a duplicate event is a no-op. docs/orchestration.md ("Upload contract") has the
+rules and limits.
 """
 
 from __future__ import annotations
@@ -50,6 +38,11 @@ class RunTrigger(Construct):
     def __init__(self, scope: Construct, construct_id: str, *, config: PipelineConfig,
                  data_bucket: s3.IBucket, pipeline: sfn.IStateMachine, key: kms.IKey) -> None:
         super().__init__(scope, construct_id)
+        # EventBridge targets cannot set an execution name, and the name is what makes a start
+        # idempotent (StartExecution with a used name fails with ExecutionAlreadyExists; names are
+        # unique per state machine for 90 days:
+        # https://docs.aws.amazon.com/step-functions/latest/apireference/API_StartExecution.html),
+        # so the rule targets a starter that derives the name from the key with intrinsic functions.
         parse = self._parse_and_start(config, pipeline)
         self.starter = express_state_machine(
             self, "Starter", definition=parse, log_group=encrypted_log_group(self, "StarterLogs", key),
