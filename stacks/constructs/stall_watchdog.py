@@ -1,15 +1,10 @@
-"""A training job that stops emitting its progress heartbeat is terminated.
+"""Stall watchdog: a training job that stops emitting its progress heartbeat is terminated.
 
-No Lambda: EventBridge + a Standard state machine using SDK integrations (class docstring).
-The per-job alarm watches the heartbeat metric of that run (dimensions Stage + RunId; missing
-data = breaching, so a frozen process that emits nothing fires it) and is put only once the
-job is past PipelineConfig.startup_minutes. RunId: the only run identity the Batch event
-carries is the job's parameters ($.detail.parameters.run_id), and it is exactly what the job
-emits: the job definitions run `--run-dir /fsx/runs/Ref::run_id`, training_image/entrypoint.sh
-exports PIPELINE_RUN_ID = basename of --run-dir, and pipeline_steps/heartbeat.py publishes it
-as the RunId dimension. So a healthy concurrent run of the same stage cannot hide a stalled one.
-The in-process watchdog (pipeline_steps/watchdog.py) covers the common case by exiting with
-the retryable code; this covers a process too frozen to exit.
+EventBridge and a Standard state machine with SDK integrations (no Lambda) put a per-job alarm on
+the run's heartbeat once the job is past PipelineConfig.startup_minutes, and terminate the job when
+it fires. The in-process watchdog (pipeline_steps/watchdog.py) covers the common case by exiting
+with the retryable code; this covers a process too frozen to exit. docs/orchestration.md ("The
+stall watchdog") has the states and the timing.
 """
 
 from __future__ import annotations
@@ -34,26 +29,20 @@ from pipeline_steps.contract import (
 from stacks.constructs.log_delivery import encrypted_log_group
 from stacks.pipeline_config import PipelineConfig
 
-# Where the Batch "Job State Change" event carries the run id: the job's `run_id` parameter.
+# Where the Batch "Job State Change" event carries the run id: the job's `run_id` parameter, its only
+# run identity. It is exactly what the job emits as the heartbeat's RunId dimension: the job
+# definitions run `--run-dir /fsx/runs/Ref::run_id`, training_image/entrypoint.sh exports
+# PIPELINE_RUN_ID = basename of --run-dir, and pipeline_steps/heartbeat.py publishes it. So the
+# alarm watches this run's series only, and a healthy concurrent run of the same stage cannot hide
+# a stalled one.
 JOB_EVENT_RUN_ID_PATH = f"$.detail.parameters.{RUN_ID_PARAMETER}"
 
 
 class StallWatchdog(Construct):
-    """Per-job heartbeat alarms for the Train job definition and termination on ALARM.
-
-    A Standard state machine (it waits: Express workflows end after 5 minutes), one execution per
-    event, routed by the event:
-      Batch RUNNING (parent job with a run_id) -> WatchRecord -> WaitForStartup (startup_minutes)
-        -> DescribeWatchedJob -> StillThisAttempt? -> ArmStallAlarm
-        The alarm exists only after the startup bound, so missing data before the first step
-        (child nodes pulling the image, rendezvous, first graph load) can never fire it; and if the
-        attempt ended or a retry started during the wait, nothing is armed (the retry's own
-        RUNNING event arms it).
-      CloudWatch ALARM -> ReadAlarmContext -> DescribeStalledJob -> StillRunning?
-        -> ReadLastStep -> TerminateStalledJob -> NotifyTerminated -> DisarmAfterTerminate
-        (a job that already ended only has its alarm deleted).
-      any other Batch status (SUCCEEDED, FAILED, or RUNNABLE/STARTING for a retry) -> DisarmStallAlarm.
-    Public: `state_machine`, `alarm_prefix`, `rules`.
+    """Per-job heartbeat alarms for the Train job definition and termination on ALARM: one
+    execution per event, routed to arm (Batch RUNNING, after the startup bound, if the same
+    attempt still runs), terminate (CloudWatch ALARM, if the job still runs) or disarm (any other
+    Batch status). Public: `state_machine`, `alarm_prefix`, `rules`.
     """
 
     def __init__(self, scope: Construct, construct_id: str, *, config: PipelineConfig, stage: str,
@@ -80,7 +69,7 @@ class StallWatchdog(Construct):
         self.state_machine = sfn.StateMachine(
             self, "StateMachine",
             definition_body=sfn.DefinitionBody.from_chainable(route),
-            state_machine_type=sfn.StateMachineType.STANDARD,
+            state_machine_type=sfn.StateMachineType.STANDARD,  # it waits; Express ends after 5 minutes
             timeout=Duration.minutes(config.startup_minutes + 60),
             tracing_enabled=True,
             logs=sfn.LogOptions(destination=log_group, level=sfn.LogLevel.ALL, include_execution_data=True),
@@ -135,7 +124,7 @@ class StallWatchdog(Construct):
                 "AlarmDescription.$": "States.JsonToString($.watch)",
                 "Namespace": HEARTBEAT_NAMESPACE,
                 "MetricName": HEARTBEAT_STEP_METRIC,
-                # This run's series only (see the module docstring for why the values match).
+                # This run's series only (JOB_EVENT_RUN_ID_PATH says why the values match).
                 "Dimensions": self._run_dimensions("$.watch.run_id"),
                 "Statistic": "SampleCount",
                 "Period": 60,
