@@ -1,12 +1,7 @@
-"""A SageMaker managed MLflow tracking server for the pipeline's experiment tracking.
-
-The steps log to it through `MLFLOW_TRACKING_URI=<tracking server ARN>` (pipeline_steps/tracking.py;
-the image needs the `sagemaker-mlflow` plugin, which signs requests with the job role). Artifacts
-go to `s3://<artifacts bucket>/<artifact_prefix>`.
-
-IAM (https://docs.aws.amazon.com/sagemaker/latest/dg/mlflow-create-tracking-server-iam.html):
-- the server's own role (assumed by sagemaker.amazonaws.com) reads/writes the artifact prefix;
-- a client (the Batch job role) needs `sagemaker-mlflow:*` on the server ARN: `grant_access()`.
+"""A SageMaker managed MLflow tracking server for the pipeline's experiment tracking. The steps log
+to it through `MLFLOW_TRACKING_URI=<tracking server ARN>` (pipeline_steps/tracking.py; the image's
+`sagemaker-mlflow` plugin signs requests with the job role); artifacts go to
+`s3://<artifacts bucket>/<artifact_prefix>`.
 """
 
 from __future__ import annotations
@@ -29,6 +24,9 @@ class MlflowTracking(Construct):
         if size not in ("Small", "Medium", "Large"):
             raise ValueError(f"MlflowTracking size={size!r}: one of Small, Medium, Large.")
         prefix = artifact_prefix.strip("/")
+        # The server's own role reads/writes the artifact prefix; a client needs sagemaker-mlflow:*
+        # on the server ARN (grant_access)
+        # (https://docs.aws.amazon.com/sagemaker/latest/dg/mlflow-create-tracking-server-iam.html).
         self.role = iam.Role(self, "ServerRole", assumed_by=iam.ServicePrincipal("sagemaker.amazonaws.com"),
                              description="SageMaker MLflow tracking server: artifact store access")
         artifacts_bucket.grant_read_write(self.role, f"{prefix}/*")
