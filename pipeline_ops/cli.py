@@ -1,30 +1,13 @@
 # PYTHON_ARGCOMPLETE_OK
 """trainium-runs: start, watch and stop training pipeline runs on AWS, and see what they cost.
 
-    trainium-runs [--stage dev] start --data-uri incoming/catalog/2026-01-05/ [--base-model RUN] [--nodes 4] [--share experiments]
-    trainium-runs buckets               the stage's data and artifacts buckets (Storage stack outputs)
-    trainium-runs status [RUN]          state timeline, Batch jobs (ids, nodes, instance, times), cost, failure
-                                        reason; a running Train's step, loss, tokens/s and ETA (heartbeat metrics)
-    trainium-runs runs [--max 10]       recent runs: outcome, gate metrics, cost
-    trainium-runs logs RUN STEP [--follow] [--node N]   a step's CloudWatch log (main node or node N)
-    trainium-runs --version             the package version
-    trainium-runs stop RUN              stop the execution (Step Functions terminates the running job)
+    trainium-runs [--stage dev] start --data-uri incoming/<dataset>/<version>/ [--base-model RUN] [--nodes 4]
+    trainium-runs status [RUN] | runs [--max 10] | buckets | stop RUN | --version
+    trainium-runs logs RUN STEP [--follow] [--node N]
 
-The state machine is the `StateMachineArn` output of the stack `<project>-<stage>-Pipeline`
-(default project TrnEmbed), or `--state-machine-arn`. The data bucket is the `DataBucketName`
-output of `<project>-<stage>-Storage`: `--data-uri incoming/<dataset>/<version>/` is a key in it,
-and an s3:// URI must name it (only that bucket is linked to /fsx/data). RUN is the run id (= the execution name) or
-an execution ARN; `status` without RUN shows the latest run. Add `--json` for scripts. Costs are
-Batch job time x nodes x on-demand price (pipeline_steps/cost.py): from the AWS Price List API
-(pricing:GetProducts), else the committed table (`--offline-prices`: the table only); the output
-says which. `--price TYPE=USD` adds or overrides a price (e.g. `--price trn1.2xlarge=1.34`).
-
-Usage errors (unknown command or step, bad numbers, a malformed --price) are found before any AWS
-call. Shell completion: eval "$(register-python-argcomplete trainium-runs)" (argcomplete).
-
-Exit codes: 0 ok; 1 AWS API error; 2 usage error; 3 unknown run / log stream / missing job;
-4 wrong stage or state machine (stack or output missing, no region); 5 no AWS credentials;
-6 a run with that name already exists.
+RUN is the run id (the execution name) or an execution ARN; `--json` for scripts. docs/operations.md
+explains each command, the stack outputs and prices it reads, and the exit codes: 0 ok, 1 AWS API
+error, 2 usage, 3 unknown run/log/job, 4 wrong stage, 5 no credentials, 6 run name taken.
 """
 
 from __future__ import annotations
