@@ -1,14 +1,7 @@
 """A pipeline run as the operator sees it, read from AWS: the Step Functions execution (state
-timeline, input, failure), its Batch jobs (ids, nodes, instance types, times, reasons), their
-cost, and the main node's CloudWatch log stream.
-
-Everything is derived from three sources, in this order of trust:
-- the execution history: which state ran when, and for every Batch state the SubmitJob
-  parameters it sent (node count override, array size) and the job id it got back;
-- DescribeJobs: status, statusReason, startedAt/stoppedAt (epoch ms), node properties, log stream;
-- the state machine's stack outputs (StateMachineArn and, when the stack
-  exports them, TrainingInstanceType / SingleNodeInstanceType) and the storage stack's
-  (DataBucketName, ArtifactsBucketName).
+timeline, input, failure), its Batch jobs (ids, nodes, instance types, times, reasons), their cost
+and the main node's CloudWatch log stream. Sources, in order of trust: the execution history (states,
+the SubmitJob parameters each Batch state sent, the job ids), DescribeJobs, and the stacks' outputs.
 """
 
 from __future__ import annotations
