@@ -1,6 +1,7 @@
-"""The CDK app reads in one screen: no function in app.py or stacks/ is longer than a screen, and a
+"""The CDK app reads in one screen: no function in app.py or stacks/ is longer than a screen, a
 module under stacks/ defines at most one construct or stack (the layout of
-aws-samples/aws-cdk-project-structure-python: thin stacks, one small construct per file)."""
+aws-samples/aws-cdk-project-structure-python: thin stacks, one small construct per file), and a
+module docstring says what the module does and how to run it in a few lines."""
 
 from __future__ import annotations
 
@@ -10,10 +11,22 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 MAX_FUNCTION_LINES = 60
 CONSTRUCT_BASES = {"Construct", "Stack"}
+MAX_MODULE_DOCSTRING_LINES = 12
+# Files or packages (relative to the repository) whose module docstrings must stay short.
+DOCSTRING_ROOTS: tuple[str, ...] = ("app.py", "stacks", "pipeline_ops")
+
+
+def _modules_under(roots: tuple[str, ...]) -> list[Path]:
+    paths: list[Path] = []
+    for root in roots:
+        path = REPO / root
+        assert path.exists(), f"{root} does not exist; update the roots"
+        paths += [path] if path.is_file() else sorted(path.rglob("*.py"))
+    return paths
 
 
 def _cdk_modules() -> list[Path]:
-    return [REPO / "app.py", *sorted((REPO / "stacks").rglob("*.py"))]
+    return _modules_under(("app.py", "stacks"))
 
 
 def _parse(path: Path) -> ast.Module:
@@ -45,3 +58,17 @@ def test_one_construct_per_module():
         if len(classes) > 1:
             crowded.append(f"{path.relative_to(REPO)}: {', '.join(classes)}")
     assert not crowded, "One construct or stack per module; move the others to their own files:\n" + "\n".join(crowded)
+
+
+def test_module_docstrings_are_short():
+    """What the module builds or does, and how to run it; a reason or a pitfall belongs in a
+    comment at the line it explains, or in docs/."""
+    wordy = []
+    for path in _modules_under(DOCSTRING_ROOTS):
+        docstring = ast.get_docstring(_parse(path), clean=False) or ""
+        lines = len(docstring.strip().splitlines())
+        if lines > MAX_MODULE_DOCSTRING_LINES:
+            wordy.append(f"{path.relative_to(REPO)}: {lines} lines")
+    assert not wordy, (
+        f"Module docstrings longer than {MAX_MODULE_DOCSTRING_LINES} lines; keep what the module does and how "
+        "to run it, move reasons to comments at the code they explain or to docs/:\n" + "\n".join(wordy))
