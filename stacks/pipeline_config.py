@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 # Step Functions state names of the Batch steps, in pipeline order. The timeouts below and the
 # state machine construct share these names so a typo is a KeyError at synth, not a silent default.
-BATCH_STEPS: tuple[str, ...] = ("Prepare", "Sanity", "Compile", "Train", "Validate", "Embed", "Export")
+BATCH_STEPS: tuple[str, ...] = ("Prepare", "PrepareShards", "PrepareFinish", "Sanity", "Compile", "Train",
+                                "Validate", "Embed", "Export")
 
 # Batch SubmitJob: schedulingPriorityOverride must be 0..9999 (higher = scheduled first).
 # https://docs.aws.amazon.com/batch/latest/APIReference/API_SubmitJob.html
@@ -56,6 +57,12 @@ class PipelineConfig:
     embed_array_size: int = 4
     """Default number of embed shards (Batch array size, 2..10000) when the input has no
     `embed_shards`. Each child embeds catalog shard AWS_BATCH_JOB_ARRAY_INDEX of the size."""
+
+    prepare_array_size: int = 4
+    """Default number of prepare shards (Batch array size, 2..10000) when the input has no
+    `prepare_shards`. Each child validates and tokenises its share of the pair input's units
+    (about 32 MB of JSON Lines or one Parquet row group each); the count never changes the
+    prepared data, only how many instances share the work."""
 
     # -- Startup bound (minutes): one value for every "the job has not started stepping yet" clock --
     startup_minutes: int = 30
@@ -140,6 +147,11 @@ class PipelineConfig:
             raise ValueError(
                 f"PipelineConfig.embed_array_size={self.embed_array_size}: a Batch array job has 2..10000 "
                 "children; for a single shard raise it to 2 or embed in the validate step."
+            )
+        if not 2 <= self.prepare_array_size <= 10_000:
+            raise ValueError(
+                f"PipelineConfig.prepare_array_size={self.prepare_array_size}: a Batch array job has 2..10000 "
+                "children (https://docs.aws.amazon.com/batch/latest/userguide/array_jobs.html)."
             )
         if not 5 <= self.startup_minutes <= 6 * 60:
             raise ValueError(

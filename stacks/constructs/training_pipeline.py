@@ -10,7 +10,7 @@ Execution input (defaults from PipelineConfig, merged by States.JsonMerge, input
     {"dataset": str (default "manual"), "version": str (required: runs publish in version order),
      "data_uri": "/fsx/data/incoming/<dataset>/<version>" (required; must hold objects),
      "init_from": "/fsx/runs/<run>" (default: the published model, else "" = from scratch),
-     "num_nodes": int, "share": str, "priority": int, "embed_shards": int}
+     "num_nodes": int, "share": str, "priority": int, "embed_shards": int, "prepare_shards": int}
 Every field is checked before any Batch job; a bad input ends in one notification listing each
 field to fix. "share" must be a share identifier of the training queue's fair-share policy (Batch
 would accept an undefined identifier with the default weight); production and experiment runs go
@@ -35,6 +35,8 @@ from aws_cdk import aws_sns as sns
 from aws_cdk import aws_stepfunctions as sfn
 from constructs import Construct
 
+from stacks.constructs.prepare_states import (MAX_ARRAY_SIZE, MIN_ARRAY_SIZE, PREPARE_STATES, SHARDS_FIELD,
+                                              SHARDS_FIX, prepare_submit)
 from stacks.constructs.retention import retention_days
 from stacks.pipeline_config import PipelineConfig
 
@@ -61,7 +63,7 @@ class BatchStep:
 
 
 STEPS: tuple[BatchStep, ...] = (
-    BatchStep("Prepare", "prepare", False),
+    *(BatchStep(name, job_definition, False) for name, job_definition in PREPARE_STATES),
     BatchStep("Sanity", "sanity", True),
     BatchStep("Compile", "compile", True),
     BatchStep("Train", "train", True),
@@ -268,6 +270,7 @@ class TrainingPipeline(Construct):
             "share": cfg.production_share,
             "priority": cfg.default_priority,
             "embed_shards": cfg.embed_array_size,
+            SHARDS_FIELD: cfg.prepare_array_size,
         }))
         apply_defaults = self._raw("ApplyDefaults", {
             "Type": "Pass",
@@ -310,6 +313,8 @@ class TrainingPipeline(Construct):
                       f"num_nodes: an integer 1..{self._max_nodes} (the max nodes of the training compute environment)"),
             InputRule("embed_shards", _integer_in(f"{run}.embed_shards", "$.checks.embed_shards", 2, 10_000),
                       "embed_shards: an integer 2..10000 (the size of a Batch array job)"),
+            InputRule(SHARDS_FIELD, _integer_in(f"{run}.{SHARDS_FIELD}", f"$.checks.{SHARDS_FIELD}", MIN_ARRAY_SIZE,
+                                                MAX_ARRAY_SIZE), SHARDS_FIX),
             InputRule("priority", _integer_in(f"{run}.priority", "$.checks.priority", 0, 9999),
                       "priority: an integer 0..9999 (Batch schedulingPriorityOverride)"),
             InputRule("share", sfn.Condition.or_(*(sfn.Condition.string_equals(f"{run}.share", s) for s in shares)),
@@ -324,7 +329,7 @@ class TrainingPipeline(Construct):
             "Type": "Pass",
             # Integers are told from other numbers by their JSON text.
             "Parameters": {f"{name}.$": f"States.JsonToString($.run.{name})"
-                           for name in ("num_nodes", "embed_shards", "priority")},
+                           for name in ("num_nodes", "embed_shards", SHARDS_FIELD, "priority")},
             "ResultPath": "$.checks",
         })
         rules = self.input_rules()
@@ -622,6 +627,9 @@ class TrainingPipeline(Construct):
                 "init_from.$": "$.run.init_from",
             },
         }
+        extra = prepare_submit(step.name)
+        params["Parameters"].update(extra.pop("Parameters", {}))
+        params.update(extra)
         if step.multi_node:
             # Sanity and Compile use the Train node count: the compile cache is keyed by world size.
             params["NodeOverrides"] = {"NumNodes.$": "$.run.num_nodes"}
