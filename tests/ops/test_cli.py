@@ -107,6 +107,12 @@ def test_start_experiment_names_its_share_and_itself(world, capsys):
     assert out["input"]["share"] == "experiments" and "training_queue" not in out["input"]
 
 
+def test_start_sizes_the_prepare_array_job(world, capsys):
+    out = run_json(capsys, "start", "--data-uri", "/fsx/data/incoming/catalog/v3", "--prepare-shards", "16",
+                   "--name", "run-prepare-shards")
+    assert out["input"]["prepare_shards"] == 16
+
+
 def test_start_takes_a_key_of_the_stages_data_bucket_from_the_storage_stack_output(world, capsys):
     out = run_json(capsys, "start", "--data-uri", "incoming/catalog/v4/")
     assert out["input"]["data_s3_uri"] == f"s3://{DATA}/incoming/catalog/v4/"
