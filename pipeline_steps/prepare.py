@@ -19,8 +19,9 @@ on FSx after --upload-timeout; 78 for a bad flag value or a --init-from tokenize
 preset's vocabulary.
 
 Local:    python -m pipeline_steps prepare --run-dir runs/demo --demo --preset tiny
-AWS:      python -m pipeline_steps prepare --run-dir /fsx/runs/RUN --data /fsx/data/incoming/DS/VERSION
-          --preset base [--init-from /fsx/runs/PREVIOUS_RUN]
+AWS:      python -m pipeline_steps prepare --phase plan --run-dir /fsx/runs/RUN --data /fsx/data/incoming/DS/VERSION
+          --preset base [--init-from /fsx/runs/PREVIOUS_RUN], then --phase shard on every child of an array
+          job and --phase finish: the same outputs, the work spread over the children (prepare_shards.py)
 Memory: the catalog plus one chunk of pairs (they are streamed; see docs/data.md, "Scale").
 """
 
@@ -130,8 +131,8 @@ def _input_checksums(files: Sequence[Path]) -> list[dict[str, Any]]:
     return [{"path": str(f), "bytes": f.stat().st_size, "sha256": sha256_file(f)} for f in files]
 
 
-def _validated(kind: str, files: Sequence[Path], validate: Callable[..., Any], cfg: DataConfig,
-               quarantine: Quarantine, records: Iterable[D.RawRecord] | None = None) -> Iterator[tuple[D.RawRecord, Any]]:
+def _validated(kind: str, files: Sequence[Path], validate: Callable[..., Any], cfg: DataConfig, quarantine: Quarantine,
+               records: Iterable[D.RawRecord] | None = None) -> Iterator[tuple[D.RawRecord, Any]]:
     """(raw, record) for every record read (of `files`, or the given `records`); record is None
     when it went to the quarantine (unparseable, or rejected by `validate` with its reason)."""
     for raw in D.iter_records(files) if records is None else records:
@@ -449,6 +450,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.phase in (None, "plan") and not (args.data or args.products or args.demo):
         parser.error("one of the arguments --data --products --demo is required")
+    if args.phase not in ("shard", "finish") and (args.shard_index, args.shard_count) != (None, None):
+        parser.error("--shard-index/--shard-count go with --phase shard (or finish)")
     if (args.products is None) != (args.pairs is None):
         parser.error("--products and --pairs go together (and not with --data/--demo)")
     if args.init_from is not None and args.pretrained is not None:
