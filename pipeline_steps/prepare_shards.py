@@ -461,8 +461,9 @@ def assemble_pairs(out: Path, shards: Path, metas: Sequence[dict[str, Any]], sch
     return stats
 
 
-def finish(run_dir: Path, shard_count: int | None = None) -> dict[str, Any]:
-    """Check every unit, apply the threshold, write RUN_DIR/prepared/ with prepare.json last."""
+def finish(run_dir: Path, shard_count: int | None = None, max_bad_fraction: float | None = None) -> dict[str, Any]:
+    """Check every unit, apply the threshold (the plan's, or `max_bad_fraction`: a finish that failed
+    on it can be rerun alone with another), write RUN_DIR/prepared/ with prepare.json last."""
     started = time.time()
     out = Path(run_dir) / D.PREPARED
     shards = out / SHARDS
@@ -476,6 +477,8 @@ def finish(run_dir: Path, shard_count: int | None = None) -> dict[str, Any]:
     done.unlink(missing_ok=True)
     metas = finished_units(shards, plan_doc, shard_count)
     cfg = from_dict(DataConfig, plan_doc["report"]["data_config"])
+    if max_bad_fraction is not None:
+        cfg = dataclasses.replace(cfg, max_bad_fraction=max_bad_fraction)  # validated (BadConfigError)
 
     # ---- counts, quarantine, threshold
     quarantine = P.Quarantine()
@@ -488,7 +491,7 @@ def finish(run_dir: Path, shard_count: int | None = None) -> dict[str, Any]:
     quarantine_path = out / "quarantine.jsonl"
     write_quarantine(quarantine_path, shards, plan_doc, metas)
     report = {k: v for k, v in plan_doc["report"].items() if k != "product_counts"}
-    report.update(counts=counts, quarantine_file=str(quarantine_path), max_bad_fraction=cfg.max_bad_fraction)
+    report.update(data_config=to_dict(cfg), counts=counts, quarantine_file=str(quarantine_path), max_bad_fraction=cfg.max_bad_fraction)
     for kind, c in counts.items():
         log.info("%s: read %d, good %d, quarantined %d %s", kind, c["read"], c["good"], c["quarantined"], c["reasons"])
     inputs = {kind: [i["path"] for i in files] for kind, files in report["inputs"].items()}
@@ -526,4 +529,4 @@ def run_phase(args: argparse.Namespace, preset) -> dict[str, Any]:
         return plan(args, preset)
     if args.phase == "shard":
         return run_shard(args.run_dir, args.shard_index, args.shard_count)
-    return finish(args.run_dir, args.shard_count)
+    return finish(args.run_dir, args.shard_count, args.max_bad_fraction)

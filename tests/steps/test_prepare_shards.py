@@ -175,6 +175,9 @@ def test_too_many_bad_pairs_fail_the_finish_with_65_naming_the_files(upload, tmp
     assert quarantine.read_text().count("\n") == len(BAD_PAIRS)
     report = read_json(run / "prepared" / "prepare.json")
     assert report["status"] == "failed" and report["counts"]["pairs"]["quarantined"] == len(BAD_PAIRS)
+    # The flag the message names works on the finish alone: the units stay valid.
+    assert cli([*base, "--phase", "finish", "--max-bad-fraction", "0.5"]) == 0
+    assert read_json(run / "prepared" / "prepare.json")["data_config"]["max_bad_fraction"] == 0.5
     # An upload without any pair record: the finish names the files.
     (clean / "pairs" / "part-00000.jsonl").write_bytes(b"\n\n")
     (clean / "pairs" / "part-00001.parquet").unlink()
