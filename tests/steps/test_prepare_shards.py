@@ -91,11 +91,7 @@ def test_any_shard_count_gives_the_records_quarantine_and_split_of_one_prepare(u
     prepared = D.load_prepared(runs[3])
     batches = D.TrainBatches(prepared, 16, rank=0, world_size=1, seed=0)
     rows = sum(int(batch["row_mask"].sum()) for batch in batches.epoch(0))
-    assert rows == len(prepared.train) == reference_rows(single)
-
-
-def reference_rows(run: Path) -> int:
-    return len(D.load_prepared(run).train)
+    assert rows == len(prepared.train) == len(D.load_prepared(single).train)
 
 
 def test_a_rerun_with_the_same_count_is_byte_identical_and_finished_units_are_skipped(upload, tmp_path, caplog):
