@@ -301,7 +301,7 @@ def cmd_start(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
         base = args.base_model
         run_input["init_from"] = base if (not base or "/" in base) else f"{FSX_RUNS}/{base}"
     for key, value in (("num_nodes", args.nodes), ("share", args.share), ("priority", args.priority),
-                       ("embed_shards", args.embed_shards)):
+                       ("embed_shards", args.embed_shards), ("prepare_shards", args.prepare_shards)):
         if value is not None:
             run_input[key] = value
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
@@ -640,6 +640,8 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--share", default=None, help="fair-share identifier (production | experiments)")
     start.add_argument("--priority", type=int, default=None)
     start.add_argument("--embed-shards", type=_positive_int, default=None)
+    start.add_argument("--prepare-shards", type=_positive_int, default=None,
+                       help="children of the prepare array job (2..10000; the prepared data is the same for any count)")
     start.add_argument("--name", default=None, help="run id (default <dataset>-<version>-<UTC time>)")
     status = sub.add_parser("status", parents=[common], help="one run in detail (default: the latest)")
     status.add_argument("run", nargs="?", default=None)

@@ -21,7 +21,8 @@ from .completion import autocomplete, version_line
 from .errors import ExitCode, StepError, record_exit_code
 
 STEPS: dict[str, tuple[str, str]] = {
-    "prepare": ("pipeline_steps.prepare", "validate records, train the tokenizer, write static-shape shards + holdout"),
+    "prepare": ("pipeline_steps.prepare", "validate records, train the tokenizer, write static-shape shards + holdout"
+                                          " (--phase plan|shard|finish: as an array job)"),
     "sanity": ("pipeline_steps.sanity", "device and collective health checks (run before spending trn1 hours)"),
     "compile": ("pipeline_steps.aot_compile", "ahead-of-time compile: trace every training graph once"),
     "train": ("pipeline_steps.train", "DDP / XLA training with resumable, portable checkpoints"),

@@ -23,18 +23,26 @@ class PipelineStep:
     """One Batch step of the pipeline state machine."""
 
     name: str
-    """The CLI step (`python -m pipeline_steps <name>`), job definition key and Batch job name."""
+    """The job definition key and Batch job name."""
     multi_node: bool
     """A multi-node job on the training instance type; else single-node on the small one."""
+    command: str = ""
+    """The CLI step it runs (`python -m pipeline_steps <command>`); default: the name."""
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            object.__setattr__(self, "command", self.name)
 
     @property
     def state(self) -> str:
-        """Its Step Functions state name ("Train" for "train")."""
-        return self.name.capitalize()
+        """Its Step Functions state name ("Train" for "train", "PrepareShards" for "prepare-shards")."""
+        return "".join(part.capitalize() for part in self.name.split("-"))
 
 
 PIPELINE_STEPS: tuple[PipelineStep, ...] = (
-    PipelineStep("prepare", multi_node=False),
+    PipelineStep("prepare", multi_node=False),  # --phase plan: catalog, tokenizer, units of the pairs
+    PipelineStep("prepare-shards", multi_node=False, command="prepare"),  # array job: --phase shard
+    PipelineStep("prepare-finish", multi_node=False, command="prepare"),  # --phase finish: counts, outputs
     PipelineStep("sanity", multi_node=True),
     PipelineStep("compile", multi_node=True),
     PipelineStep("train", multi_node=True),

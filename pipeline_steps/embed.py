@@ -57,9 +57,10 @@ import numpy as np
 import torch
 
 from . import distributed
-from .errors import BadConfigError, BadInputError, RetryableError
+from .errors import BadInputError, RetryableError
 from . import tracking
 from .fileio import atomic_path, atomic_write_json, read_json, sha256_file
+from .shards import remove_stale_temps as _remove_stale_temps, resolve_shard, shard_bounds
 
 log = logging.getLogger(__name__)
 
@@ -259,45 +260,12 @@ def embed_queries(inference: InferenceModel, token_ids: np.ndarray, lengths: np.
 
 # ============================================================================ shards
 
-def shard_bounds(num_rows: int, shard_index: int, shard_count: int) -> tuple[int, int]:
-    """[start, end) of shard `shard_index`: contiguous, sizes differ by at most one."""
-    return shard_index * num_rows // shard_count, (shard_index + 1) * num_rows // shard_count
-
-
 def part_name(shard_index: int, shard_count: int) -> str:
     return f"part-{shard_index:05d}-of-{shard_count:05d}.parquet"
 
 
 def sidecar_path(out_dir: Path, shard_index: int, shard_count: int) -> Path:
     return out_dir / "_shards" / part_name(shard_index, shard_count).replace(".parquet", ".json")
-
-
-def resolve_shard(shard_index: int | None, shard_count: int | None,
-                  environ: dict[str, str] | os._Environ = os.environ) -> tuple[int, int]:
-    """Flags win; else AWS Batch array variables; else shard 0 of 1."""
-    env_index, env_size = environ.get("AWS_BATCH_JOB_ARRAY_INDEX"), environ.get("AWS_BATCH_JOB_ARRAY_SIZE")
-    try:
-        index = shard_index if shard_index is not None else int(env_index) if env_index else None
-        count = shard_count if shard_count is not None else int(env_size) if env_size else None
-    except ValueError as exc:
-        raise BadConfigError(f"AWS_BATCH_JOB_ARRAY_INDEX/SIZE must be integers: {exc}") from None
-    if index is not None and count is None:
-        raise BadConfigError(
-            f"shard index {index} given (flag or AWS_BATCH_JOB_ARRAY_INDEX) but no shard count: AWS Batch "
-            "does not export the array size, so pass --shard-count N or set AWS_BATCH_JOB_ARRAY_SIZE "
-            "in the job's environment"
-        )
-    index, count = (0 if index is None else index), (1 if count is None else count)
-    if count < 1 or not 0 <= index < count:
-        raise BadConfigError(f"need 0 <= shard index < shard count, got index {index}, count {count}")
-    return index, count
-
-
-def _remove_stale_temps(path: Path) -> None:
-    """Temp files left by a writer killed mid-write (fileio.atomic_path names them .<name>.*.tmp)."""
-    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
-        log.warning("removing %s left by an interrupted writer", tmp)
-        tmp.unlink(missing_ok=True)
 
 
 def shard_status(out_dir: Path, shard_index: int, shard_count: int, *, checkpoint_sha256: str,

@@ -19,8 +19,9 @@ on FSx after --upload-timeout; 78 for a bad flag value or a --init-from tokenize
 preset's vocabulary.
 
 Local:    python -m pipeline_steps prepare --run-dir runs/demo --demo --preset tiny
-AWS:      python -m pipeline_steps prepare --run-dir /fsx/runs/RUN --data /fsx/data/incoming/DS/VERSION
-          --preset base [--init-from /fsx/runs/PREVIOUS_RUN]
+AWS:      python -m pipeline_steps prepare --phase plan --run-dir /fsx/runs/RUN --data /fsx/data/incoming/DS/VERSION
+          --preset base [--init-from /fsx/runs/PREVIOUS_RUN], then --phase shard on every child of an array
+          job and --phase finish: the same outputs, the work spread over the children (prepare_shards.py)
 Memory: the catalog plus one chunk of pairs (they are streamed; see docs/data.md, "Scale").
 """
 
@@ -37,7 +38,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator, Sequence
+from typing import IO, Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -131,11 +132,11 @@ def _input_checksums(files: Sequence[Path]) -> list[dict[str, Any]]:
     return [{"path": str(f), "bytes": f.stat().st_size, "sha256": sha256_file(f)} for f in files]
 
 
-def _validated(kind: str, files: Sequence[Path], validate: Callable[..., Any], cfg: DataConfig,
-               quarantine: Quarantine) -> Iterator[tuple[D.RawRecord, Any]]:
-    """(raw, record) for every record read; record is None when it went to the quarantine
-    (unparseable, or rejected by `validate` with its reason)."""
-    for raw in D.iter_records(files):
+def _validated(kind: str, files: Sequence[Path], validate: Callable[..., Any], cfg: DataConfig, quarantine: Quarantine,
+               records: Iterable[D.RawRecord] | None = None) -> Iterator[tuple[D.RawRecord, Any]]:
+    """(raw, record) for every record read (of `files`, or the given `records`); record is None
+    when it went to the quarantine (unparseable, or rejected by `validate` with its reason)."""
+    for raw in D.iter_records(files) if records is None else records:
         record = None
         if raw.reason:
             quarantine.add(kind, raw.source, raw.line, raw.reason, raw.detail or "", raw.raw_text())
@@ -179,13 +180,15 @@ class PairChunk:
 
 
 def iter_pair_chunks(files: Sequence[Path], cfg: DataConfig, product_row: dict[str, int], quarantine: Quarantine,
-                     num_read: Counter, chunk_size: int = PAIR_CHUNK) -> Iterator[PairChunk]:
-    """The valid pairs whose product exists, PAIR_CHUNK at a time; num_read["pairs"] counts every record read."""
+                     num_read: Counter, chunk_size: int = PAIR_CHUNK,
+                     records: Iterable[D.RawRecord] | None = None) -> Iterator[PairChunk]:
+    """The valid pairs whose product exists, PAIR_CHUNK at a time; num_read["pairs"] counts every record
+    read (of `files`, or the given `records`: one shard's slice of them)."""
     queries: list[str] = []
     rows: list[int] = []
     weights: list[float] = []
     labels: list[str | None] = []
-    for raw, pair in _validated("pairs", files, D.validate_pair, cfg, quarantine):
+    for raw, pair in _validated("pairs", files, D.validate_pair, cfg, quarantine, records):
         num_read["pairs"] += 1
         if pair is None:
             continue
@@ -384,12 +387,16 @@ def _tokenised_pairs(part: pa.Table, tokenizer, schema: D.Schema, cfg: DataConfi
                      product_class: np.ndarray) -> D.Pairs:
     token_ids, lengths = D.encode_texts(tokenizer, part.column("query").to_pylist(), cfg.query_length)
     product_index = part.column("product_index").to_numpy()
-    # A pair's own label wins; otherwise the class is its product's category.
-    labels = part.column("label").to_pylist()
-    has_label = np.array([label is not None for label in labels], dtype=bool)
-    class_id = np.where(has_label, schema.class_ids(labels), product_class[product_index])
     return D.Pairs(queries=[], token_ids=token_ids, lengths=lengths, product_index=product_index,
-                   weight=part.column("weight").to_numpy(), class_id=class_id.astype(np.int64))
+                   weight=part.column("weight").to_numpy(),
+                   class_id=pair_class_ids(part.column("label").to_pylist(), product_index, schema, product_class))
+
+
+def pair_class_ids(labels: Sequence[str | None], product_index: np.ndarray, schema: D.Schema,
+                   product_class: np.ndarray) -> np.ndarray:
+    """int64 [n]: a pair's own label wins; otherwise the class is its product's category."""
+    has_label = np.array([label is not None for label in labels], dtype=bool)
+    return np.where(has_label, schema.class_ids(labels), product_class[product_index]).astype(np.int64)
 
 
 def schema_coverage(schema: D.Schema, products: Sequence[D.ProductRecord], built: D.Products) -> dict[str, Any]:
@@ -417,7 +424,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m pipeline_steps prepare",
                                      description="Validate records, train the tokenizer, write static-shape inputs.")
     parser.add_argument("--run-dir", type=Path, required=True)
-    source = parser.add_mutually_exclusive_group(required=True)
+    source = parser.add_mutually_exclusive_group()  # required, except by --phase shard / finish
     source.add_argument("--data", type=Path, help="directory holding products*/ and pairs* (the upload layout)")
     source.add_argument("--products", type=Path, help="products file or directory of shards (with --pairs)")
     source.add_argument("--demo", action="store_true", help="generate the bundled demo data into RUN_DIR/input/")
@@ -433,7 +440,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--upload-timeout", type=float, default=0.0, metavar="SECONDS",
                         help="with --data on FSx: wait up to this long for every file of the upload (listed in "
                              "its _SUCCESS manifest) to be imported, then exit 75 (retryable); 0 = local data")
+    parser.add_argument("--phase", choices=("plan", "shard", "finish"),
+                        help="prepare as an AWS Batch array job (docs/data.md, Scale): plan (inputs, catalog, "
+                             "tokenizer, units of the pairs), shard (one array child's units), finish (the "
+                             "outputs and prepare.json); default: everything in this process")
+    parser.add_argument("--shard-index", type=int, help="--phase shard: default $AWS_BATCH_JOB_ARRAY_INDEX or 0")
+    parser.add_argument("--shard-count", type=int,
+                        help="--phase shard: the array size (default $AWS_BATCH_JOB_ARRAY_SIZE or 1); "
+                             "--phase finish: names the shards to rerun when units are missing")
     args = parser.parse_args(argv)
+    if args.phase in (None, "plan") and not (args.data or args.products or args.demo):
+        parser.error("one of the arguments --data --products --demo is required")
+    if args.phase not in ("shard", "finish") and (args.shard_index, args.shard_count) != (None, None):
+        parser.error("--shard-index/--shard-count go with --phase shard (or finish)")
     if (args.products is None) != (args.pairs is None):
         parser.error("--products and --pairs go together (and not with --data/--demo)")
     if args.init_from is not None and args.pretrained is not None:
@@ -519,22 +538,35 @@ def summary(cfg: DataConfig, schema: D.Schema, products: D.Products, stats: Pair
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     preset = get_preset(args.preset)
-    report = prepare(args, preset)
+    if args.phase is not None:
+        from . import prepare_shards
+
+        report = prepare_shards.run_phase(args, preset)
+        if args.phase != "finish":  # the plan and the array children report through the finish
+            return 0
+    else:
+        report = prepare(args, preset)
     # ---- tracking: this step as a child run of the pipeline's MLflow run (never fails the step).
     # After prepare() returned, so its data is freed before tracking imports torch (~0.8 GB RSS).
-    tracking.log_step("prepare", args.run_dir, params={"preset": preset.name, "seed": args.seed},
+    tracking.log_step("prepare", args.run_dir, params={"preset": report["preset"], "seed": report["seed"]},
                       metrics=tracking.flatten(report), config={"data": report["data_config"]})
     return 0
 
 
-def prepare(args: argparse.Namespace, preset) -> dict[str, Any]:
-    """The step without its tracking: validate, tokenise, write RUN_DIR/prepared/; returns prepare.json."""
-    started = time.time()
+def data_config(args: argparse.Namespace, preset) -> DataConfig:
+    """The preset's data config with the flags applied (BadConfigError for a bad value)."""
     cfg = preset.data
     if args.max_bad_fraction is not None:
         cfg = dataclasses.replace(cfg, max_bad_fraction=args.max_bad_fraction)  # validated (BadConfigError)
     if args.upload_timeout < 0:
         raise BadConfigError(f"--upload-timeout must be >= 0 seconds, got {args.upload_timeout}")
+    return cfg
+
+
+def prepare(args: argparse.Namespace, preset) -> dict[str, Any]:
+    """The step without its tracking: validate, tokenise, write RUN_DIR/prepared/; returns prepare.json."""
+    started = time.time()
+    cfg = data_config(args, preset)
     out = args.run_dir / D.PREPARED
     out.mkdir(parents=True, exist_ok=True)
     (out / "prepare.json").unlink(missing_ok=True)  # invalidate first: a crash below leaves no "ok" marker

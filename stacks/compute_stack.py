@@ -27,7 +27,8 @@ from stacks.storage_stack import StorageStack
 class ComputeStack(Stack):
     """Public attributes: queues (dict: "training", "single-node"; fair share decides between the
     production and experiments share identifiers inside the training queue),
-    job_definitions (dict: "sanity", "compile", "train", "prepare", "validate", "embed", "export", "canary"),
+    job_definitions (dict: "sanity", "compile", "train", "prepare", "prepare-shards", "prepare-finish",
+    "validate", "embed", "export", "canary"),
     share_identifiers (tuple[str, ...]), compute_environments (dict: "training", "single-node"),
     job_role, job_log_group, image (ecs.ContainerImage), image_uri, compute, jobs (the constructs),
     mlflow (MlflowTracking, or None unless pipeline.mlflow_tracking == "managed"),

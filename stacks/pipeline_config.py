@@ -53,6 +53,12 @@ class PipelineConfig:
     """Default number of embed shards (Batch array size, 2..10000) when the input has no
     `embed_shards`. Each child embeds catalog shard AWS_BATCH_JOB_ARRAY_INDEX of the size."""
 
+    prepare_array_size: int = 4
+    """Default number of prepare shards (Batch array size, 2..10000) when the input has no
+    `prepare_shards`. Each child validates and tokenises its share of the pair input's units
+    (about 32 MB of JSON Lines or one Parquet row group each); the count never changes the
+    prepared data, only how many instances share the work."""
+
     # -- Startup bound (minutes): one value for every "the job has not started stepping yet" clock --
     startup_minutes: int = 30
     """Bound on a multi-node job's start, counted from the Batch RUNNING event of the job (the
@@ -142,6 +148,11 @@ class PipelineConfig:
             raise ValueError(
                 f"PipelineConfig.embed_array_size={self.embed_array_size}: a Batch array job has 2..10000 "
                 "children; for a single shard raise it to 2 or embed in the validate step."
+            )
+        if not 2 <= self.prepare_array_size <= 10_000:
+            raise ValueError(
+                f"PipelineConfig.prepare_array_size={self.prepare_array_size}: a Batch array job has 2..10000 "
+                "children (https://docs.aws.amazon.com/batch/latest/userguide/array_jobs.html)."
             )
 
     def _check_time_bounds(self) -> None:

@@ -14,6 +14,7 @@ from aws_cdk import aws_stepfunctions as sfn
 
 from pipeline_steps.contract import FSX_DATA, FSX_INCOMING, FSX_RUNS
 from stacks.constructs.pipeline_states import PipelineStates
+from stacks.constructs.prepare_states import MAX_ARRAY_SIZE, MIN_ARRAY_SIZE, SHARDS_FIELD, SHARDS_FIX
 
 
 def _policy_shares(queue: batch.IJobQueue) -> tuple[str, ...]:
@@ -83,6 +84,8 @@ def input_rules(training_queue: batch.IJobQueue, max_nodes: int) -> list[InputRu
                   f"num_nodes: an integer 1..{max_nodes} (the max nodes of the training compute environment)"),
         InputRule("embed_shards", _integer_in(f"{run}.embed_shards", "$.checks.embed_shards", 2, 10_000),
                   "embed_shards: an integer 2..10000 (the size of a Batch array job)"),
+        InputRule(SHARDS_FIELD, _integer_in(f"{run}.{SHARDS_FIELD}", f"$.checks.{SHARDS_FIELD}", MIN_ARRAY_SIZE,
+                                            MAX_ARRAY_SIZE), SHARDS_FIX),
         InputRule("priority", _integer_in(f"{run}.priority", "$.checks.priority", 0, 9999),
                   "priority: an integer 0..9999 (Batch schedulingPriorityOverride)"),
         InputRule("share", sfn.Condition.or_(*(sfn.Condition.string_equals(f"{run}.share", s) for s in shares)),
@@ -99,7 +102,7 @@ def input_checks(states: PipelineStates, rules: Sequence[InputRule], *, data_buc
         "Type": "Pass",
         # Integers are told from other numbers by their JSON text.
         "Parameters": {f"{name}.$": f"States.JsonToString($.run.{name})"
-                       for name in ("num_nodes", "embed_shards", "priority")},
+                       for name in ("num_nodes", "embed_shards", SHARDS_FIELD, "priority")},
         "ResultPath": "$.checks",
     })
     choices = [sfn.Choice(states.scope, f"Check_{rule.field}") for rule in rules]

@@ -77,12 +77,20 @@ before the upload is visible on /fsx
 
 def single_node_steps(training: TrainingConfig) -> Mapping[str, tuple[list[str], dict[str, str]]]:
     """Step -> (command, parameter defaults). Prepare tokenizes for the stage's training preset
-    (vocabulary, length buckets): the same preset Compile and Train run."""
-    return {**SINGLE_NODE_STEPS, "prepare": (
-        ["prepare", "--run-dir", RUN_DIR, "--data", "Ref::data_uri", "--preset", training.preset,
-         "--init-from", "Ref::init_from", "--upload-timeout", str(PREPARE_UPLOAD_TIMEOUT_S)],
-        {"init_from": ""},
-    )}
+    (vocabulary, length buckets): the same preset Compile and Train run. It runs as three jobs
+    (stacks/constructs/prepare_states.py): the plan reads the flags, the array children and the
+    finish read the plan; `shard_count` is the array size, passed like embed's."""
+    shard_count = ["--run-dir", RUN_DIR, "--shard-count", "Ref::shard_count"]
+    return {
+        **SINGLE_NODE_STEPS,
+        "prepare": (
+            ["prepare", "--phase", "plan", "--run-dir", RUN_DIR, "--data", "Ref::data_uri", "--preset", training.preset,
+             "--init-from", "Ref::init_from", "--upload-timeout", str(PREPARE_UPLOAD_TIMEOUT_S)],
+            {"init_from": ""},
+        ),
+        "prepare-shards": (["prepare", "--phase", "shard", *shard_count], {"shard_count": ""}),
+        "prepare-finish": (["prepare", "--phase", "finish", *shard_count], {"shard_count": ""}),
+    }
 
 
 SINGLE_NODE_STEPS: Mapping[str, tuple[list[str], dict[str, str]]] = {
@@ -112,6 +120,11 @@ SINGLE_NODE_STEPS: Mapping[str, tuple[list[str], dict[str, str]]] = {
     CANARY_JOB: (["sanity", "--run-dir", f"{FSX_CANARY}/Ref::{RUN_ID_PARAMETER}", "--fsx-path", FSX_MOUNT_POINT],
                  {RUN_ID_PARAMETER: "latest"}),
 }
+
+
+def construct_name(step: str) -> str:
+    """The construct id prefix of a step's job definition: "prepare-shards" -> "PrepareShards"."""
+    return step.title().replace("-", "")
 
 
 def device_list(spec: InstanceSpec) -> list[batch.Device]:
@@ -159,7 +172,8 @@ def retry_strategies() -> list[batch.RetryStrategy]:
 
 class JobDefinitions(Construct):
     """Public attributes: job_definitions (dict step -> job definition; keys sanity, compile, train,
-    prepare, validate, embed, export, canary), job_role, execution_role, log_group."""
+    prepare, prepare-shards, prepare-finish, validate, embed, export, canary), job_role,
+    execution_role, log_group."""
 
     def __init__(
         self,
@@ -242,12 +256,12 @@ class JobDefinitions(Construct):
     ) -> None:
         for step, (command, parameters) in single_node_steps(training_config).items():
             container = self._container(
-                f"{step.capitalize()}Container", image=image, spec=single_node, command=command,
+                f"{construct_name(step)}Container", image=image, spec=single_node, command=command,
                 environment={**base_env, **_node_env(single_node)},
                 shared_memory_gib=single_node_shared_memory_gib,
             )
             self.job_definitions[step] = batch.EcsJobDefinition(
-                self, f"{step.capitalize()}JobDefinition",
+                self, f"{construct_name(step)}JobDefinition",
                 container=container,
                 parameters=parameters or None,
                 retry_attempts=retry_attempts,

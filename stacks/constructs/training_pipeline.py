@@ -22,6 +22,7 @@ from constructs import Construct
 from pipeline_steps.contract import HEARTBEAT_NAMESPACE, PIPELINE_STEPS, RUN_ID_PARAMETER, RUNS_PREFIX
 from stacks.constructs.input_checks import input_checks, input_rules
 from stacks.constructs.pipeline_states import PipelineStates
+from stacks.constructs.prepare_states import SHARDS_FIELD, array_submit, prepare_submit
 from stacks.constructs.publish import CURRENT_MODEL_KEY, export_uri, publish
 from stacks.constructs.quality_gate import gate, production_baseline
 from stacks.constructs.retention import retention_days
@@ -183,6 +184,7 @@ class TrainingPipeline(Construct):
             "share": cfg.production_share,
             "priority": cfg.default_priority,
             "embed_shards": cfg.embed_array_size,
+            SHARDS_FIELD: cfg.prepare_array_size,
         }))
         apply_defaults = self._states.raw("ApplyDefaults", {
             "Type": "Pass",
@@ -198,11 +200,30 @@ class TrainingPipeline(Construct):
         defaults.next(apply_defaults)
         return defaults, apply_defaults
 
+    def _step_fields(self, step: BatchStep) -> dict:
+        """What one step adds to the SubmitJob request all steps share."""
+        if step.name == "Validate":
+            # The validate job definition runs with --gate-report-only (exit 0 on a failed gate:
+            # the decision is data for the Choice) and uploads gate.json to gate_s3_uri itself,
+            # because the FSx auto-export to S3 is asynchronous.
+            return {"Parameters": {
+                "gate_s3_uri.$": ("States.Format('s3://" + self._bucket.bucket_name + "/" + RUNS_PREFIX
+                                  + "{}/validation/gate.json', $.run_id)"),
+                "previous_metrics.$": "$.run.previous_metrics",
+            }}
+        if step.name == "Embed":
+            return array_submit("$.run.embed_shards")
+        if step.name == "Export":
+            # The step uploads the export itself (files, then the _SUCCESS marker), so the pointer
+            # written after it names a complete S3 copy; FSx auto-export would arrive later.
+            return {"Parameters": {"export_s3_uri.$": export_uri(self._bucket)}}
+        return prepare_submit(step.name)
+
     def _submit(self, step: BatchStep) -> sfn.CustomState:
         cfg = self._cfg
         queue = self._queues["training"] if step.multi_node else self._queues["single-node"]
         params: dict = {
-            "JobName": step.name.lower(),
+            "JobName": step.job_definition,
             "JobDefinition": self._job_definitions[step.job_definition].job_definition_arn,
             "SchedulingPriorityOverride.$": "$.run.priority",
             "Parameters": {
@@ -211,27 +232,15 @@ class TrainingPipeline(Construct):
                 "init_from.$": "$.run.init_from",
             },
         }
+        step_fields = self._step_fields(step)
+        params["Parameters"].update(step_fields.pop("Parameters", {}))
+        params.update(step_fields)
         if step.multi_node:
             # Sanity and Compile use the Train node count: the compile cache is keyed by world size.
             params["NodeOverrides"] = {"NumNodes.$": "$.run.num_nodes"}
         params["JobQueue"] = queue.job_queue_arn
         if _has_fair_share(queue):
             params["ShareIdentifier.$"] = "$.run.share"
-        if step.name == "Validate":
-            # The validate job definition runs with --gate-report-only (exit 0 on a failed gate:
-            # the decision is data for the Choice) and uploads gate.json to gate_s3_uri itself,
-            # because the FSx auto-export to S3 is asynchronous.
-            params["Parameters"]["gate_s3_uri.$"] = (
-                "States.Format('s3://" + self._bucket.bucket_name + "/" + RUNS_PREFIX + "{}/validation/gate.json', $.run_id)")
-            params["Parameters"]["previous_metrics.$"] = "$.run.previous_metrics"
-        if step.name == "Embed":
-            params["ArrayProperties"] = {"Size.$": "$.run.embed_shards"}
-            # Batch exposes only AWS_BATCH_JOB_ARRAY_INDEX; the shard count travels as a parameter.
-            params["Parameters"]["shard_count.$"] = "States.Format('{}', $.run.embed_shards)"
-        if step.name == "Export":
-            # The step uploads the export itself (files, then the _SUCCESS marker), so the pointer
-            # written after it names a complete S3 copy; FSx auto-export would arrive later.
-            params["Parameters"]["export_s3_uri.$"] = export_uri(self._bucket)
         state = self._states.raw(step.name, {
             "Type": "Task",
             # Raw ASL: the CDK BatchSubmitJob task has no ShareIdentifier / SchedulingPriorityOverride,

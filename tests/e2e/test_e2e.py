@@ -32,6 +32,7 @@ def test_upload_starts_a_run_that_runs_every_step_and_publishes(e2e_world, first
     assert {name: by_step[name].nodes for name in ("sanity", "compile", "train")} == {
         "sanity": 2, "compile": 2, "train": 2}
     assert sorted(j.array_index for j in first_run.jobs if j.definition == "embed") == [0, 1, 2, 3]
+    assert sorted(j.array_index for j in first_run.jobs if j.definition == "prepare-shards") == [0, 1, 2, 3]
     pointer = e2e_world.read_json("artifacts_bucket", "models/current.json")
     assert pointer["run_id"] == f"{DATASET}-v1" and pointer["checkpoint"] == f"/fsx/runs/{DATASET}-v1"
     assert pointer["data_version"] == "v1" and pointer["metrics"]["recall@10"] > 0
@@ -60,6 +61,17 @@ def test_batch_variables_reach_every_node_as_batch_sets_them(first_run):
     assert sorted(job.attempts[0].environments[0]["AWS_BATCH_JOB_ARRAY_INDEX"] for job in embeds) == ["0", "1", "2", "3"]
     # Ref::shard_count came from the submit.
     assert {job.attempts[0].argv[job.attempts[0].argv.index("--shard-count") + 1] for job in embeds} == {"4"}
+
+
+def test_prepare_ran_as_an_array_job_and_its_data_holds_every_uploaded_product(e2e_world, first_run, demo_data):
+    children = [job for job in first_run.jobs if job.definition == "prepare-shards"]
+    assert {job.attempts[0].argv[job.attempts[0].argv.index("--shard-count") + 1] for job in children} == {"4"}
+    prepared = e2e_world.run_dir(f"{DATASET}-v1") / "prepared"
+    report = json.loads((prepared / "prepare.json").read_text())
+    assert report["status"] == "ok" and report["shards"]["shard_count"] == 4
+    assert report["counts"]["pairs"]["good"] == report["split"]["train_pairs"] + report["split"]["holdout_pairs"]
+    ids = pq.read_table(prepared / "products.parquet", columns=["id"]).column("id").to_pylist()
+    assert set(ids) == product_ids(demo_data)
 
 
 # ---- a node lost during Train: exit 75, Batch retries, the retry resumes --------------------------

@@ -20,7 +20,8 @@ from stacks.pipeline_stack import PipelineStack
 
 ENV = Environment(account="123456789012", region="us-east-1")
 IMAGE = "public.ecr.aws/neuron/pytorch-training-neuronx:2.9.0-neuronx-py312-sdk2.30.0-ubuntu24.04"
-JOB_DEFINITIONS = ("prepare", "sanity", "compile", "train", "validate", "embed", "export", "canary")
+JOB_DEFINITIONS = ("prepare", "prepare-shards", "prepare-finish", "sanity", "compile", "train", "validate", "embed",
+                   "export", "canary")
 # Attempt timeouts like the compute stack's defaults (train 72 h, compile 12 h, the rest 4 h).
 ATTEMPT_HOURS = {"train": 72, "compile": 12}
 MAX_NODES = 4

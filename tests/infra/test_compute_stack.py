@@ -14,7 +14,10 @@ from stacks.config import INSTANCE_TYPES, NEURON_AMI_SSM_PARAMETER, ComputeConfi
 from stacks.constructs.trainium_compute import neuron_machine_image
 from stacks.constructs.training_pipeline import STEPS
 from stacks.constructs.efa_launch_template import network_interfaces, node_boot_script
-from stacks.constructs.job_definitions import EFA_ENVIRONMENT, device_list
+from stacks.constructs.job_definitions import EFA_ENVIRONMENT, construct_name, device_list
+from pipeline_steps.contract import PIPELINE_STEPS
+
+PREPARE_JOBS = tuple(step.name for step in PIPELINE_STEPS if step.command == "prepare")
 
 
 def _resources(template, resource_type):
@@ -30,7 +33,7 @@ def _training_launch_template(template):
 
 def _job_definition(template, step):
     matches = {k: r for k, r in _resources(template, "AWS::Batch::JobDefinition").items()
-               if k.startswith(f"Jobs{step.capitalize()}JobDefinition")}
+               if k.startswith(f"Jobs{construct_name(step)}JobDefinition")}
     assert len(matches) == 1, (step, list(matches))
     return next(iter(matches.values()))["Properties"]
 
@@ -292,7 +295,7 @@ def test_multi_node_job_definitions(request, templates_fixture, efa, instance, s
     assert container["Command"][:3] == [step, "--run-dir", "/fsx/runs/Ref::run_id"]
 
 
-@pytest.mark.parametrize("step", ["sanity", "compile", "train", "prepare", "validate", "embed", "export", "canary"])
+@pytest.mark.parametrize("step", ["sanity", "compile", "train", *PREPARE_JOBS, "validate", "embed", "export", "canary"])
 def test_retry_strategy_and_timeouts(dev_templates, dev_config, step):
     job = _job_definition(dev_templates["compute"], step)
     assert job["RetryStrategy"] == {
@@ -307,7 +310,7 @@ def test_retry_strategy_and_timeouts(dev_templates, dev_config, step):
     assert job["Timeout"] == {"AttemptDurationSeconds": 3600 * hours.get(step, dev_config.compute.short_attempt_timeout_hours)}
 
 
-@pytest.mark.parametrize("step", ["prepare", "validate", "embed", "export", "canary"])
+@pytest.mark.parametrize("step", [*PREPARE_JOBS, "validate", "embed", "export", "canary"])
 def test_single_node_job_definitions(dev_templates, step):
     job = _job_definition(dev_templates["compute"], step)
     assert job["Type"] == "container"
@@ -401,7 +404,7 @@ def test_no_public_ip_or_admin(dev_templates):
 
 
 # -- Experiment tracking (MLflow) --------------------------------------------------------------
-JOB_KEYS = ("sanity", "compile", "train", "prepare", "validate", "embed", "export", "canary")
+JOB_KEYS = ("sanity", "compile", "train", *PREPARE_JOBS, "validate", "embed", "export", "canary")
 MULTI_NODE_KEYS = ("sanity", "compile", "train")
 
 

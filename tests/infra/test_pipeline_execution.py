@@ -26,10 +26,10 @@ ARTIFACTS = "artifacts-bucket"
 DATA = "data-bucket"
 ROLE = f"arn:aws:iam::{ENV.account}:role/sfn"
 INPUT_CHECKS = ["PrepareInputChecks", "Check_dataset", "Check_version", "Check_data_uri", "Check_init_from",
-                "Check_num_nodes", "Check_embed_shards", "Check_priority", "Check_share",
+                "Check_num_nodes", "Check_embed_shards", "Check_prepare_shards", "Check_priority", "Check_share",
                 "InputValid", "LocateData", "DataDepth", "DataPrefix_3", "ListData", "DataFound"]
 HAPPY_PATH = ["Defaults", "ApplyDefaults", *INPUT_CHECKS, "ReadCurrentModel", "NoProductionModel", "ApplyBaseline",
-              "Prepare", "Sanity", "Compile", "Train", "Validate", "ReadGate", "GateReportValid", "GatePassed", "Embed",
+              "Prepare", "PrepareShards", "PrepareFinish", "Sanity", "Compile", "Train", "Validate", "ReadGate", "GateReportValid", "GatePassed", "Embed",
               "Export", "ReadPublishedModel", "PointerRecord", "Publish", "NotifyPublished", "Done"]
 # Uploads the data bucket holds in every test (the runs' data_uri must exist).
 UPLOADS = ("catalog/v1", "catalog/v2", "catalog/v3")
@@ -145,7 +145,8 @@ def test_happy_path_visits_every_state_in_order_and_publishes(aws):
     assert pointer["export_uri"] == f"s3://{ARTIFACTS}/runs/run-1/export/"
     # Every submission carries the fair-share fields and the run parameters.
     steps = [s["jobName"] for s in aws.hooks.submitted]
-    assert steps == ["prepare", "sanity", "compile", "train", "validate", "embed", "export"]
+    assert steps == ["prepare", "prepare-shards", "prepare-finish", "sanity", "compile", "train", "validate", "embed",
+                     "export"]
     for submit in aws.hooks.submitted:
         assert submit["shareIdentifier"] == "production" and submit["schedulingPriorityOverride"] == 50
         assert submit["parameters"]["run_id"] == "run-1"
@@ -155,6 +156,9 @@ def test_happy_path_visits_every_state_in_order_and_publishes(aws):
     for multi in ("sanity", "compile", "train"):
         assert by_name[multi]["nodeOverrides"] == {"numNodes": 2}
     assert by_name["embed"]["arrayProperties"] == {"size": 4}
+    assert by_name["prepare-shards"]["arrayProperties"] == {"size": 4}
+    assert by_name["prepare-shards"]["parameters"]["shard_count"] == by_name["prepare-finish"]["parameters"]["shard_count"] == "4"
+    assert "arrayProperties" not in by_name["prepare"] and "arrayProperties" not in by_name["prepare-finish"]
     assert by_name["validate"]["parameters"]["gate_s3_uri"] == f"s3://{ARTIFACTS}/runs/run-1/validation/gate.json"
     assert by_name["export"]["parameters"]["export_s3_uri"] == f"s3://{ARTIFACTS}/runs/run-1/export/"
     assert any("published" in n for n in aws.notifications())
@@ -164,7 +168,7 @@ def test_input_overrides_defaults_and_current_model_is_the_default_start(aws):
     aws.put_current_model("old", "v1")
     aws.put_gate("run-2", passed=True)
     desc, visited = aws.run(aws.pipeline_arn, "run-2", data("catalog/v2", num_nodes=4, share="experiments",
-                                                             priority=7, embed_shards=3))
+                                                             priority=7, embed_shards=3, prepare_shards=12))
     assert desc["status"] == "SUCCEEDED", desc
     assert "UseCurrentModel" in visited and "NoProductionModel" not in visited
     by_name = {s["jobName"]: s for s in aws.hooks.submitted}
@@ -174,6 +178,8 @@ def test_input_overrides_defaults_and_current_model_is_the_default_start(aws):
     assert by_name["train"]["shareIdentifier"] == "experiments" and by_name["train"]["schedulingPriorityOverride"] == 7
     assert by_name["embed"]["arrayProperties"] == {"size": 3}
     assert by_name["embed"]["parameters"]["shard_count"] == "3"
+    assert by_name["prepare-shards"]["arrayProperties"] == {"size": 12}
+    assert by_name["prepare-shards"]["parameters"]["shard_count"] == by_name["prepare-finish"]["parameters"]["shard_count"] == "12"
 
 
 def test_a_share_the_policy_does_not_define_fails_before_any_job(aws):
@@ -248,6 +254,8 @@ def test_empty_input_fails_before_any_job_with_one_notification_listing_the_fixe
       "init_from: a run directory", "data_uri: the upload directory"]),
     ({"num_nodes": 99, "embed_shards": 1, "priority": 10_000},
      ["num_nodes: an integer 1..4", "embed_shards: an integer 2..10000", "priority: an integer 0..9999"]),
+    ({"prepare_shards": 10_001}, ["prepare_shards: an integer 2..10000 (the size of the Batch array job"]),
+    ({"prepare_shards": 2.5}, ["prepare_shards: an integer 2..10000"]),
 ])
 def test_every_bad_field_is_named_in_one_notification_before_any_job(aws, bad, fixes):
     desc, visited = aws.run(aws.pipeline_arn, "run-bad", data(**bad))

@@ -51,7 +51,8 @@ def _happy_path(definition: dict) -> list[str]:
 def test_batch_states_in_pipeline_order_after_the_input_checks(definition):
     order = _happy_path(definition)
     batch = [n for n in order if n in {s.name for s in STEPS}]
-    assert batch == ["Prepare", "Sanity", "Compile", "Train", "Validate", "Embed", "Export"]
+    assert batch == ["Prepare", "PrepareShards", "PrepareFinish", "Sanity", "Compile", "Train", "Validate", "Embed",
+                     "Export"]
     assert order.index("InputValid") < order.index("ListData") < order.index("ReadCurrentModel") < order.index("Prepare")
     assert order.index("GatePassed") < order.index("Embed") < order.index("Export") < order.index("PublishReplacement")
 
@@ -119,7 +120,24 @@ def test_multi_node_steps_share_node_count_and_queue(definition):
         assert params["JobQueue"] == FAKE and "JobQueue.$" not in params  # the one training queue
     embed = definition["States"]["Embed"]["Parameters"]
     assert embed["ArrayProperties"] == {"Size.$": "$.run.embed_shards"}
+    assert definition["States"]["Prepare"]["Parameters"].get("ArrayProperties") is None  # the plan: one job
     assert "gate_s3_uri.$" in definition["States"]["Validate"]["Parameters"]["Parameters"]
+
+
+def test_prepare_shards_is_an_array_job_sized_by_the_input_between_plan_and_finish(definition):
+    states = definition["States"]
+    assert states["Prepare"]["Next"] == "PrepareShards" and states["PrepareShards"]["Next"] == "PrepareFinish"
+    assert states["PrepareFinish"]["Next"] == "Sanity"
+    shards = states["PrepareShards"]["Parameters"]
+    assert shards["ArrayProperties"] == {"Size.$": "$.run.prepare_shards"}
+    # Batch sets AWS_BATCH_JOB_ARRAY_INDEX on each child, not the size: it travels as a parameter.
+    size = "States.Format('{}', $.run.prepare_shards)"
+    assert shards["Parameters"]["shard_count.$"] == size
+    finish = states["PrepareFinish"]["Parameters"]
+    assert "ArrayProperties" not in finish and finish["Parameters"]["shard_count.$"] == size
+    check = states["Check_prepare_shards"]["Choices"][0]
+    assert {"Variable": "$.run.prepare_shards", "NumericGreaterThanEquals": 2} in check["And"]
+    assert {"Variable": "$.run.prepare_shards", "NumericLessThanEquals": 10_000} in check["And"]
 
 
 def test_export_runs_after_embed_and_the_pointer_names_its_s3_upload(definition):
@@ -139,6 +157,7 @@ def test_defaults_come_from_config_and_input_wins(definition):
     assert defaults["share"] == TEST_CONFIG.production_share
     assert defaults["priority"] == TEST_CONFIG.default_priority
     assert defaults["embed_shards"] == TEST_CONFIG.embed_array_size
+    assert defaults["prepare_shards"] == TEST_CONFIG.prepare_array_size
     assert definition["States"]["ApplyDefaults"]["Parameters"]["run.$"] == \
         "States.JsonMerge($.defaults, $$.Execution.Input, false)"
 
@@ -372,6 +391,7 @@ def test_canary_can_be_disabled():
     ({"default_num_nodes": 0}, "default_num_nodes"),
     ({"default_priority": 10_000}, "default_priority"),
     ({"embed_array_size": 1}, "embed_array_size"),
+    ({"prepare_array_size": 10_001}, "prepare_array_size=10001: a Batch array job has 2..10000"),
     ({"production_share": "has space"}, "production_share"),
     ({"canary_interval_minutes": 1}, "canary_interval_minutes"),
     ({"stall_timeout_minutes": 2}, "stall_timeout_minutes"),

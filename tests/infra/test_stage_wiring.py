@@ -19,6 +19,7 @@ import pytest
 
 from infra_synth import REPO_ROOT
 from pipeline_steps.heartbeat import Heartbeat
+from stacks.constructs.job_definitions import construct_name
 from stacks.constructs.training_pipeline import STEPS
 
 ENTRYPOINT = REPO_ROOT / "training_image" / "entrypoint.sh"
@@ -35,7 +36,7 @@ def _definition(template, logical_id_prefix: str) -> dict:
 
 def _job_definition(template, key: str) -> dict:
     (job,) = [r["Properties"] for k, r in template.find_resources("AWS::Batch::JobDefinition").items()
-              if k.startswith(f"Jobs{key.capitalize()}JobDefinition")]
+              if k.startswith(f"Jobs{construct_name(key)}JobDefinition")]
     return job
 
 
@@ -60,12 +61,13 @@ def test_every_command_parameter_is_supplied(dev_templates, pipeline, step):
     assert not missing, f"{step.name}: {sorted(missing)} neither submitted nor defaulted"
 
 
-def test_embed_shard_count_is_the_array_size(dev_templates, pipeline):
-    params = pipeline["States"]["Embed"]["Parameters"]
+@pytest.mark.parametrize("state, key", [("Embed", "embed"), ("PrepareShards", "prepare-shards")])
+def test_array_shard_count_is_the_array_size(dev_templates, pipeline, state, key):
+    params = pipeline["States"][state]["Parameters"]
     size_path = params["ArrayProperties"]["Size.$"]
     # Batch parameters are strings: the same input field, formatted.
     assert params["Parameters"]["shard_count.$"] == f"States.Format('{{}}', {size_path})"
-    command = _command(_job_definition(dev_templates["compute"], "embed"))
+    command = _command(_job_definition(dev_templates["compute"], key))
     assert command[command.index("--shard-count") + 1] == "Ref::shard_count"
 
 
@@ -354,7 +356,7 @@ def test_job_definitions_run_the_contract_steps(dev_templates):
     for step in PIPELINE_STEPS:
         job = _job_definition(dev_templates["compute"], step.name)
         command = _command(job)
-        assert command[0] == step.name
+        assert command[0] == step.command, step.name
         assert ("NodeProperties" in job) == step.multi_node, step.name
         assert command[command.index("--run-dir") + 1] == f"{FSX_RUNS}/Ref::run_id", step.name
         assert _container_of(job)["MountPoints"][0]["ContainerPath"] == FSX_MOUNT_POINT

@@ -22,6 +22,7 @@ from pipeline_fixtures import ENV
 from test_pipeline_execution import ARTIFACTS, DATA, _World
 
 from pipeline_ops import cli
+from pipeline_steps.contract import PIPELINE_STEPS
 
 REGION = ENV.region
 BASE = ["--region", REGION]
@@ -107,6 +108,12 @@ def test_start_experiment_names_its_share_and_itself(world, capsys):
     assert out["input"]["share"] == "experiments" and "training_queue" not in out["input"]
 
 
+def test_start_sizes_the_prepare_array_job(world, capsys):
+    out = run_json(capsys, "start", "--data-uri", "/fsx/data/incoming/catalog/v3", "--prepare-shards", "16",
+                   "--name", "run-prepare-shards")
+    assert out["input"]["prepare_shards"] == 16
+
+
 def test_start_takes_a_key_of_the_stages_data_bucket_from_the_storage_stack_output(world, capsys):
     out = run_json(capsys, "start", "--data-uri", "incoming/catalog/v4/")
     assert out["input"]["data_s3_uri"] == f"s3://{DATA}/incoming/catalog/v4/"
@@ -150,7 +157,7 @@ def test_status_shows_timeline_jobs_nodes_and_cost(world, capsys):
     assert out["status"] == "SUCCEEDED" and out["end_state"] == "Done"
     assert [v["state"] for v in out["timeline"]][-4:] == ["PointerRecord", "Publish", "NotifyPublished", "Done"]
     jobs = {j["step"]: j for j in out["jobs"]}
-    assert list(jobs) == ["Prepare", "Sanity", "Compile", "Train", "Validate", "Embed", "Export"]
+    assert list(jobs) == [step.state for step in PIPELINE_STEPS]
     assert all(j["job_id"] and j["status"] == "SUCCEEDED" for j in jobs.values())
     assert jobs["Train"]["nodes"] == 3 and jobs["Train"]["instance_type"] == "trn1.32xlarge"
     assert jobs["Prepare"]["nodes"] == 1 and jobs["Prepare"]["instance_type"] == "trn1.2xlarge"

@@ -13,10 +13,10 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_every_pipeline_step_is_a_cli_step():
-    """The job definitions run `python -m pipeline_steps <step.name>`: each must exist."""
-    assert {step.name for step in contract.PIPELINE_STEPS} <= set(CLI_STEPS)
+    """The job definitions run `python -m pipeline_steps <step.command>`: each must exist."""
+    assert {step.command for step in contract.PIPELINE_STEPS} <= set(CLI_STEPS)
     assert [step.state for step in contract.PIPELINE_STEPS] == \
-        ["Prepare", "Sanity", "Compile", "Train", "Validate", "Embed", "Export"]
+        ["Prepare", "PrepareShards", "PrepareFinish", "Sanity", "Compile", "Train", "Validate", "Embed", "Export"]
 
 
 def test_steps_use_the_contract_objects_not_copies():
