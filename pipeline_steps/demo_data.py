@@ -141,7 +141,7 @@ def _description(t: _Type, type_word: str, material: str, size: str, rng: random
 
 
 def generate_products(num_products: int, seed: int) -> list[dict]:
-    """`num_products` product records (see the module docstring), deterministic for `seed`."""
+    """`num_products` product records (docs/data.md, "Demo data"), deterministic for `seed`."""
     rng = random.Random(f"products:{seed}")
     seen: set[tuple] = set()
     # Distinct (type, brand, material, size, colour) products; a larger catalog repeats them as
