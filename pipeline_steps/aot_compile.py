@@ -1,28 +1,12 @@
-"""The `compile` step: trace (and on Trainium, compile) every graph training will need, ahead of time.
+"""The `compile` step: trace (on Trainium: compile) every graph `train` will need, ahead of time.
 
-Reads   DIR/prepared/ (from `prepare`), and exactly the flags of `train`.
-Writes  DIR/compile/compile.json (graphs traced, their batch shapes, seconds), DIR/compile/trial/
-        (the trial's throw-away checkpoints: trial weights are never used), and locally
-        DIR/compile/xla_cache/ (the ledger `train` checks its graphs against).
+Takes exactly `train`'s arguments (+ `--steps N`, default 10) and writes DIR/compile/compile.json. On
+Trainium it runs that training command under neuron_parallel_compile; on the XLA CPU backend the same
+trial runs in-process; eager backends (cpu, cuda) have nothing to compile. Exit codes are `train`'s,
+plus 78 for a graph the Neuron compiler rejects (not retried) and 75 for a killed trial (retried).
 
-Trainium (per node; not under torchrun: it launches torchrun itself, from $TORCHRUN_ARGS):
-    python -m pipeline_steps compile <the train step's arguments> [--steps 10]
-  runs `neuron_parallel_compile torchrun $TORCHRUN_ARGS -m pipeline_steps train <the same arguments,
-  verbatim> --run-dir DIR/compile/trial --max-steps 10 --no-progress`, in this process's environment:
-  NEURON_CC_FLAGS and the cache (NEURON_COMPILE_CACHE_URL, else <$NEURON_COMPILE_CACHE_URL_BASE>/
-  neuronx-cc-<version>/) are what `train` uses, because the cache key hashes the graph and the flags.
-  The job definitions give Compile and Train one command and one environment.
-Local (PyTorch/XLA on CPU):
-    PJRT_DEVICE=CPU python -m pipeline_steps compile --run-dir runs/demo --preset tiny --backend xla
-  runs the same trial in-process: one training step per length bucket (+ more up to --steps), one
-  holdout forward per bucket, one checkpoint; `train` afterwards reports the graphs it needed that
-  the trial had not traced (`graphs_not_in_compile_cache`, expected 0).
-Eager backends (cpu, cuda) have nothing to compile: the step records that and exits 0.
-
-Exit codes: a graph the Neuron compiler rejects is 78 (not retried: the cache records the failed
-graph and a rerun with the same flags only repeats it); a trial whose training processes hit a
-transient fault (they record 75: device or collective failure, stall) or a trial killed by a signal
-is 75 (retried).
+Local:  PJRT_DEVICE=CPU python -m pipeline_steps compile --run-dir runs/demo --preset tiny --backend xla
+AWS:    python -m pipeline_steps compile --run-dir /fsx/runs/<run_id> --preset base --backend xla --bf16  # every node
 """
 
 from __future__ import annotations
@@ -73,6 +57,8 @@ def neuron_command(train_argv: list[str], trial: Path, steps: int,
                    environ: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
     """The trial: exactly the training command, with the trial's run dir and step count appended
     (argparse keeps the last value), under neuron_parallel_compile, in the given environment."""
+    # Not run under torchrun: the Compile job's entrypoint runs this step as plain python, and the trial
+    # launches torchrun itself with the node's TORCHRUN_ARGS (training_image/entrypoint.sh).
     torchrun_args = shlex.split(environ.get("TORCHRUN_ARGS", "--standalone --nproc_per_node 32"))
     cmd = ["neuron_parallel_compile", "torchrun", *torchrun_args, "-m", "pipeline_steps", "train", *train_argv,
            "--run-dir", str(trial), "--max-steps", str(steps), "--no-progress"]

@@ -1,27 +1,9 @@
-"""Portable, verifiable, resumable checkpoints.
+"""Portable, verifiable, resumable checkpoints: DIR/checkpoints/step-NNNNNNNNN.pt + its .json manifest.
 
-Layout (in the run directory):
-
-    DIR/checkpoints/step-000000120.pt     torch.save of the state dict below (CPU tensors only)
-    DIR/checkpoints/step-000000120.json   manifest {format_version, step, epoch, batch_in_epoch,
-                                          sha256, bytes, created_at, file, torch}
-
-Guarantees
-- Atomic: each file is written to a temporary name, fsynced and renamed (fileio.atomic_path). The
-  .pt is written first and its manifest second, so a manifest only ever describes a complete file;
-  a crash in between leaves a .pt without manifest, which is never used.
-- Verified: `latest()` picks the newest checkpoint whose size and sha256 match its manifest; a
-  truncated or corrupted one is skipped with a warning naming the file and the reason.
-- Portable: only plain CPU tensors and Python builtins are stored, and `load()` reads with
-  `torch.load(weights_only=True)`, so a checkpoint written under XLA loads under eager CPU or CUDA
-  (and the reverse), and loading never executes pickled code. `save()` refuses anything else up
-  front instead of producing a file that only fails at load time.
-- One writer: the caller makes sure only the global rank 0 calls `save()`.
-
-The state:
-    {"format_version": 1, "step", "epoch", "batch_in_epoch", "model", "optimizer", "scheduler",
-     "rng": rng_state(), "config": {"preset", "model", "data", "train"},
-     "tokenizer": {"sha256", "json"}, "schema": dict, "extra": dict}
+`save()` (global rank 0 only) writes the state atomically, then its manifest (sha256, bytes, step);
+`latest()` / `resolve()` pick the newest checkpoint that verifies; `load()` reads it with
+`torch.load(weights_only=True)` onto CPU; `load_model()` rebuilds the model from the stored config.
+Format and guarantees: docs/training.md, "Checkpoints".
 """
 
 from __future__ import annotations
@@ -47,7 +29,10 @@ from .model import EmbeddingModel
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-"""Bump when the state layout changes incompatibly; `load()` rejects other versions."""
+"""Bump when the state layout changes incompatibly; `load()` rejects other versions. The state:
+{"format_version", "step", "epoch", "batch_in_epoch", "model", "optimizer", "scheduler",
+"rng": rng_state(), "config": {"preset", "model", "data", "train"}, "tokenizer": {"sha256", "json"},
+"schema": dict, "extra": dict}."""
 
 CHECKPOINT_SUBDIR = "checkpoints"
 _NAME = re.compile(r"^step-(\d{9,})\.(pt|json)$")
@@ -206,6 +191,8 @@ def save(run_dir: str | os.PathLike, state: dict[str, Any], *, keep: int) -> Pat
     if version != FORMAT_VERSION:
         raise ValueError(f"state['format_version'] is {version!r}; this code writes {FORMAT_VERSION}")
     state = {**state, "format_version": FORMAT_VERSION}
+    # Refuse up front what torch.load(weights_only=True) could not read back, or a tensor tied to a
+    # device: the file would only fail at load time.
     _check_portable(state, "state")
 
     path = checkpoint_path(run_dir, state["step"])
@@ -218,6 +205,8 @@ def save(run_dir: str | os.PathLike, state: dict[str, Any], *, keep: int) -> Pat
         sha256 = fileio.sha256_file(tmp)
     stat = path.stat()
     _verified[str(path)] = (stat.st_size, stat.st_mtime_ns, sha256)
+    # The manifest goes second, so it only ever describes a complete .pt; a crash in between leaves
+    # a .pt without manifest, which latest() never uses.
     fileio.atomic_write_json(manifest_path(path), {
         "format_version": FORMAT_VERSION,
         "step": state["step"],

@@ -1,20 +1,9 @@
 """What a run cost: Batch job time x node count x the instance's on-demand hourly price.
 
-Used by the operator CLI (`trainium-runs status/runs`, pipeline_ops/), by run-local's report
-(compute price 0 locally, real durations) and by the MLflow run of each pipeline run.
-
-    cost of a step = seconds between the job's startedAt and stoppedAt (or now, while it runs)
-                     / 3600 x nodes x USD per instance-hour
-
-This is compute only, priced on demand (what Batch launches for multi-node jobs: Spot is not
-supported for them). It leaves out FSx, S3, NAT, instance boot time before the container starts
-and the time a node idles between jobs, so it is a lower bound of the bill, good for comparing runs.
-
-Prices, first match wins: an override (`--price INSTANCE=USD`), the AWS Price List API (boto3
-`pricing`, any region and instance type, when a `PriceList` is given: trainium-runs does unless
-`--offline-prices`), then the committed table `ON_DEMAND_USD_PER_HOUR` (prices we can cite,
-PRICE_SOURCES). With none of them the cost shows as unknown (None) rather than a guess. Every
-step's cost says which source priced it (`price_source`).
+Used by the operator CLI (`trainium-runs status/runs`), by run-local's report (compute price 0) and
+by each pipeline run's MLflow run. A price comes from an override (`--price INSTANCE=USD`), else the
+AWS Price List API, else the committed table, else it is unknown (None), never guessed; each step
+says which (`price_source`). Compute only, a lower bound of the bill: docs/operations.md, "Cost".
 """
 
 from __future__ import annotations

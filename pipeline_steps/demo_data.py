@@ -1,23 +1,10 @@
 """Bundled demo data: a seeded product catalog and search queries, in the upload layout.
 
-Reads nothing. Writes, under OUT_DIR:
-    OUT_DIR/products/part-00000.jsonl, part-00001.jsonl   product records (JSON Lines)
-    OUT_DIR/pairs/part-00000.parquet, part-00001.parquet  (query, product_id[, weight]) pairs (Parquet)
-    OUT_DIR/_SUCCESS                                      written last, as in the S3 upload contract
-Products are JSON Lines and pairs Parquet on purpose: one demo run exercises both readers.
+Writes OUT_DIR/products/part-*.jsonl, OUT_DIR/pairs/part-*.parquet and, last, OUT_DIR/_SUCCESS; the
+same (preset, seed) gives byte-identical files. What the data holds: docs/data.md, "Demo data".
 
-Command:  python -m pipeline_steps.demo_data OUT_DIR [--preset tiny] [--seed 0]
-(`python -m pipeline_steps prepare --run-dir DIR --demo` calls `write_demo` into DIR/input/.)
-
-The data has structure a model can learn and plain word overlap (BM25) cannot fully solve:
-- synonyms: a query says "sofa" where the title says "couch", "gray" where it says "grey";
-- typos ("lether sofa") and paraphrases ("living room seating") with little or no shared word;
-- attribute-only queries ("nordvik navy large") that name no product type;
-- price words ("cheap", "premium") that only the numeric price feature can resolve;
-- hard distractors: every product has siblings of the same brand/type/material in other colours.
-Each product has explicit numeric features (price, rating, reviews), categorical features
-(brand, colour, material, size) and a category label (its department) for the auxiliary head.
-Deterministic for a seed: the same (preset, seed) gives byte-identical files.
+    python -m pipeline_steps.demo_data OUT_DIR [--preset tiny] [--seed 0]
+    python -m pipeline_steps prepare --run-dir DIR --demo     # writes it into DIR/input/, then prepares it
 """
 
 from __future__ import annotations
@@ -154,7 +141,7 @@ def _description(t: _Type, type_word: str, material: str, size: str, rng: random
 
 
 def generate_products(num_products: int, seed: int) -> list[dict]:
-    """`num_products` product records (see the module docstring), deterministic for `seed`."""
+    """`num_products` product records (docs/data.md, "Demo data"), deterministic for `seed`."""
     rng = random.Random(f"products:{seed}")
     seen: set[tuple] = set()
     # Distinct (type, brand, material, size, colour) products; a larger catalog repeats them as
@@ -274,6 +261,7 @@ def write_demo(out_dir: str | Path, preset: Preset | str = "tiny", seed: int = 0
     for sub in ("products", "pairs"):  # stale shards of an earlier, larger demo would be read too
         for old in (out / sub).glob("part-*"):
             old.unlink()
+    # Products as JSON Lines and pairs as Parquet: one demo run exercises both readers.
     for i, shard in enumerate(_shards(products, NUM_PRODUCT_SHARDS)):
         text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in shard)
         atomic_write_bytes(out / "products" / f"part-{i:05d}.jsonl", text.encode("ascii"))

@@ -1,48 +1,10 @@
-"""Training-progress heartbeat as CloudWatch Embedded Metric Format (EMF) lines on stdout.
+"""Training-progress heartbeat: one CloudWatch Embedded Metric Format (EMF) line on stdout per `emit`.
 
-Why: a hung collective never fails by itself, and a frozen process cannot run its own watchdog
-(`pipeline_steps.watchdog`). So the trainer prints one EMF JSON line per heartbeat; AWS Batch's
-awslogs driver ships stdout to CloudWatch Logs, which extracts the metrics (no agent, no boto3,
-no extra dependency on the node), and an alarm fires when `TrainStep` of this run stops arriving.
-
-The metric contract (names from pipeline_steps/contract.py; the stall alarm and the dashboard
-watch the same names):
-
-    Namespace   TrainiumEmbeddings
-    Dimensions  [["Stage"], ["Stage", "RunId"]]
-                Stage = env PIPELINE_STAGE (default "local"; the job definitions set the stage name)
-                RunId = env PIPELINE_RUN_ID (default "local"; training_image/entrypoint.sh sets it to
-                        the basename of --run-dir, i.e. the Batch parameter `run_id` of
-                        /fsx/runs/Ref::run_id, which is the Step Functions execution name)
-    Metrics     TrainStep        Count          the optimizer step just completed
-                TrainLoss        None           training loss of that step (omitted when not finite)
-                TokensPerSecond  Count/Second   training throughput (all ranks together)
-    Properties  any extra keyword properties (searchable in Logs Insights, not metrics).
-
-Every value is published twice: per stage (["Stage"]: stage-wide graphs) and per run
-(["Stage", "RunId"]). The per-job stall alarm (stacks/constructs/stall_watchdog.py StallWatchdog) reads
-the per-run series with RunId = the job's `run_id` parameter, so a healthy run of the same stage
-can never hide a stalled one. Cost: 3 custom metrics per run, billed only in the hours a run
-publishes them.
-
-One line looks like (a single line in the log):
-
-    {"_aws": {"Timestamp": 1767225600000, "CloudWatchMetrics": [{"Namespace": "TrainiumEmbeddings",
-     "Dimensions": [["Stage"], ["Stage", "RunId"]], "Metrics": [{"Name": "TrainStep", "Unit": "Count"},
-     {"Name": "TrainLoss", "Unit": "None"}, {"Name": "TokensPerSecond", "Unit": "Count/Second"}]}]},
-     "Stage": "prod", "RunId": "run-2026-01-01", "TrainStep": 120, "TrainLoss": 0.41,
-     "TokensPerSecond": 183000.0}
-
-Enabled only on AWS Batch (env AWS_BATCH_JOB_ID set) so local runs and tests are not spammed;
-`Heartbeat(enabled=True)` or env PIPELINE_HEARTBEAT=1 forces it on, PIPELINE_HEARTBEAT=0 off.
-Call it from rank 0 only (one series per job), e.g. every step or every N steps:
-
-    from pipeline_steps.heartbeat import Heartbeat
-    heartbeat = Heartbeat()                       # reads the environment once
-    heartbeat.emit(step=120, loss=0.41, tokens_per_s=183000.0, epoch=1)
-
-Dependency-free (standard library and the pure-Python contract) on purpose: it runs inside the
-training image.
+CloudWatch Logs turns each line into the metrics TrainStep, TrainLoss and TokensPerSecond (names from
+pipeline_steps/contract.py), per stage and per run; the stall alarm watches the run's TrainStep. On
+only on AWS Batch (AWS_BATCH_JOB_ID set), unless PIPELINE_HEARTBEAT=1 or 0 forces it. Call it from
+rank 0: `Heartbeat().emit(step=120, loss=0.41, tokens_per_s=183000.0)`. Standard library only, as
+it runs in the training image. The metric contract and a sample line: docs/operations.md, "Heartbeat".
 """
 
 from __future__ import annotations
@@ -60,7 +22,8 @@ from . import contract
 NAMESPACE = contract.HEARTBEAT_NAMESPACE
 DIMENSION = contract.HEARTBEAT_STAGE_DIMENSION
 RUN_ID_DIMENSION = contract.HEARTBEAT_RUN_DIMENSION
-# Per stage and per run (module docstring); the stall alarm uses the second.
+# Per stage (stage-wide graphs) and per run: the per-job stall alarm reads the second, so a
+# healthy run of the same stage can never hide a stalled one.
 DIMENSION_SETS: tuple[tuple[str, ...], ...] = ((DIMENSION,), (DIMENSION, RUN_ID_DIMENSION))
 METRIC_STEP = contract.HEARTBEAT_STEP_METRIC
 METRIC_LOSS = contract.HEARTBEAT_LOSS_METRIC
@@ -131,7 +94,7 @@ def emf_record(
 
 
 class Heartbeat:
-    """Prints one EMF line per `emit` call when enabled (see the module docstring).
+    """Prints one EMF line per `emit` call when enabled (docs/operations.md, "Heartbeat").
 
     stage, run_id   default from env PIPELINE_STAGE / PIPELINE_RUN_ID, else "local".
     enabled         None = decide from the environment (`enabled_by_env`); True/False forces.

@@ -1,19 +1,8 @@
-"""Retrieval and classification metrics, from a score matrix or from ranked lists.
+"""Retrieval and classification metrics (recall@k, MRR, nDCG@k, accuracy) from scores or ranked lists.
 
-Pure numpy / torch, no model code: `validate` and the tests both use these functions, so the
-numbers in `gate.json` are the numbers the tests check against hand-computed examples.
-
-Conventions (binary relevance; a query may have several relevant products):
-- `ranked`   int array [Q, K]: product indices per query, best first (K = the deepest cut needed).
-- `relevant` sequence of Q collections of product indices (the holdout pairs of that query).
-- recall@k   = |relevant in top k| / |relevant|, averaged over queries (with one relevant product
-               per query this is the hit rate).
-- MRR        = 1 / rank of the first relevant product, 0 when none is in the top K (so it is
-               MRR@K; `validate` ranks K = 100 deep).
-- nDCG@k     = DCG@k / IDCG@k with gain 1 for relevant products and discount 1/log2(rank + 1);
-               IDCG places min(|relevant|, k) relevant products first.
-- accuracy   = share of rows whose argmax logit equals the label; rows labelled -100 are ignored
-               (the same ignore index as the training loss).
+Pure numpy / torch, no model code: `validate` and the tests both use these functions, so the numbers
+in `gate.json` are the numbers the tests check against hand-computed examples. Relevance is binary,
+and a query may have several relevant products.
 """
 
 from __future__ import annotations
@@ -27,7 +16,7 @@ RECALL_KS = (1, 10, 100)
 NDCG_K = 10
 RANK_DEPTH = max(max(RECALL_KS), NDCG_K)
 """How deep `validate` ranks: enough for recall@100 (and so MRR@100)."""
-IGNORE_INDEX = -100
+IGNORE_INDEX = -100  # rows without a label: the same ignore index as the training loss
 METRIC_KEYS = tuple(f"recall@{k}" for k in RECALL_KS) + ("mrr", f"ndcg@{NDCG_K}", "accuracy")
 """Every key `retrieval_metrics` + `accuracy` can produce, in display order."""
 
@@ -83,18 +72,24 @@ def retrieval_metrics(ranked: np.ndarray, relevant: Sequence[Collection[int]], *
                       recall_ks: Sequence[int] = RECALL_KS, ndcg_k: int = NDCG_K) -> dict[str, float]:
     """recall@k for each k, MRR and nDCG@ndcg_k, each averaged over queries.
 
-    A cut deeper than the ranked lists (k > K) uses the whole list, which is exact when K equals
-    the catalog size (a small catalog ranks every product) and a lower bound otherwise."""
+    `ranked` int [Q, K]: product indices per query, best first (K = the deepest cut needed);
+    `relevant`: Q collections of product indices (the holdout pairs of that query). A cut deeper
+    than the ranked lists (k > K) uses the whole list, which is exact when K equals the catalog size
+    (a small catalog ranks every product) and a lower bound otherwise."""
     hits, num_relevant = _hits(ranked, relevant)
     depth = hits.shape[1]
     out: dict[str, float] = {}
+    # recall@k = |relevant in top k| / |relevant| (with one relevant product per query: the hit rate).
     for k in recall_ks:
         out[f"recall@{k}"] = float(np.mean(hits[:, :k].sum(axis=1) / num_relevant))
 
+    # MRR = 1 / rank of the first relevant product, 0 when none is in the top K: MRR@K (validate: K = 100).
     any_hit = hits.any(axis=1)
     first = np.where(any_hit, hits.argmax(axis=1), 0)
     out["mrr"] = float(np.mean(np.where(any_hit, 1.0 / (first + 1), 0.0)))
 
+    # nDCG@k = DCG@k / IDCG@k, gain 1 per relevant product, discount 1/log2(rank + 1); the ideal
+    # ranking places min(|relevant|, k) relevant products first.
     cut = min(ndcg_k, depth)
     discounts = 1.0 / np.log2(np.arange(2, ndcg_k + 2))
     dcg = (hits[:, :cut] * discounts[:cut]).sum(axis=1)

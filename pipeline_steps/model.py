@@ -1,23 +1,10 @@
 """The two-tower embedding model and its training objective.
 
-Architecture (one set of weights serves both towers, as in M5's text encoder + MLP):
-
-    ids, mask --> TextEncoder (BERT-style, pre-LN; post-LN when started from a pretrained BERT)
-              --> mean pool over the mask --> pooled [B, H]
-    query tower:   pooled --> MLP --> L2-normalise --> query embedding   [B, E]
-    product tower: [pooled | numeric | categorical embeddings] --> MLP --> L2-normalise --> [B, E]
-    optional aux head: query embedding --> Linear --> class logits [B, num_classes]
-
-The objective (`training_loss`) is a symmetric InfoNCE over in-batch negatives plus an optional
-auxiliary cross-entropy on the product category.
-
-Everything here is written for XLA (Trainium via torch-neuronx, PJRT CPU locally): no `.item()`,
-no Python branching on tensor values, no boolean-mask indexing that changes shapes, so one batch
-shape is one compiled graph. Masks become `masked_fill` with a large *finite* negative (not -inf:
--inf turns a fully-masked row into NaN, and `inf - inf` appears in bf16 softmax backward).
-
-Embeddings are returned as float32 whatever the model's dtype: they are normalised in fp32, the
-loss is computed in fp32, and downstream steps store fp32 vectors.
+One BERT-style text encoder (pre-LN; post-LN when started from a pretrained BERT), mean-pooled,
+serves both towers: the query tower adds an MLP, the product tower an MLP over [pooled text |
+numeric features | categorical embeddings]; both return L2-normalised float32 embeddings [B, E],
+and an optional aux head classifies the query embedding. `training_loss` is a symmetric InfoNCE
+over in-batch negatives (+ an auxiliary cross-entropy). Architecture and presets: docs/training.md.
 """
 
 from __future__ import annotations
@@ -48,7 +35,9 @@ def categorical_embedding_dim(cardinality: int) -> int:
 
 
 def _large_negative(dtype: torch.dtype) -> float:
-    """The most negative finite value of `dtype`: exp() of it is exactly 0, and it stays finite."""
+    """The most negative finite value of `dtype`: exp() of it is exactly 0, and it stays finite.
+    Masks use it with `masked_fill`, never -inf: -inf turns a fully-masked row into NaN, and
+    `inf - inf` appears in bf16 softmax backward."""
     return torch.finfo(dtype).min
 
 
@@ -267,14 +256,10 @@ def training_loss(model: nn.Module, batch: dict[str, torch.Tensor],
                   train_cfg: TrainConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Symmetric InfoNCE with in-batch negatives (+ aux_weight * cross-entropy with an aux head).
 
-    `batch` is a TrainBatches dict (see data.py). Row i's positive is product i. Masked out of every
-    softmax: padding rows (row_mask 0) as negatives, and other rows of the same product
-    (equal product_index) because they are false negatives. Padding rows are also excluded as
-    anchors through their zero weight. Per-row losses are averaged with the pair weights; the
-    denominator is clamped so a fully padded batch gives exactly 0 with zero gradients.
-
-    `model` may be wrapped (DDP). Returns (loss, parts) with detached scalar parts "contrastive",
-    "aux" (0 without an aux head or labels) and "accuracy" (in-batch top-1 of queries).
+    `batch` is a TrainBatches dict (see data.py); row i's positive is product i, and per-row losses
+    are averaged with the pair weights. `model` may be wrapped (DDP). Returns (loss, parts) with
+    detached scalar parts "contrastive", "aux" (0 without an aux head or labels) and "accuracy"
+    (in-batch top-1 of queries).
     """
     out = model(batch["query_ids"], batch["query_mask"], batch["doc_ids"], batch["doc_mask"],
                 batch["numeric"], batch["categorical"])
@@ -283,13 +268,16 @@ def training_loss(model: nn.Module, batch: dict[str, torch.Tensor],
     device = query.device
 
     valid = batch["row_mask"] > 0
+    # Padding rows are no anchors (weight 0); with the clamped denominator (LOSS_EPS) a fully
+    # padded batch gives exactly 0 with zero gradients.
     weight = batch["weight"].float() * valid.float()
     diagonal = torch.eye(size, dtype=torch.bool, device=device)
     product_index = batch["product_index"]
     duplicate = (product_index[:, None] == product_index[None, :]) & ~diagonal
     # allowed[i, j]: may candidate j appear in anchor i's softmax (same rule in both directions:
-    # candidate j is a real row and not another copy of anchor i's product). The diagonal is always
-    # allowed, so every row, a padding row too, has a finite log-sum-exp.
+    # candidate j is a real row, not padding, and not another copy of anchor i's product, which
+    # would be a false negative). The diagonal is always allowed, so every row, a padding row too,
+    # has a finite log-sum-exp.
     allowed = diagonal | (valid[None, :] & ~duplicate)
     negative = _large_negative(torch.float32)
 

@@ -1,29 +1,9 @@
-"""Start the text encoder from a pretrained Hugging Face BERT directory.
+"""Start the text encoder from a local Hugging Face BERT directory (nothing is downloaded).
 
-A local directory saved by transformers (`BertModel.save_pretrained` + a tokenizers `tokenizer.json`):
-config.json (model_type "bert"), model.safetensors, tokenizer.json. Nothing is downloaded.
-
-- `prepare --pretrained DIR` keeps DIR's tokenizer (instead of training one) and copies config.json
-  and model.safetensors to RUN_DIR/prepared/pretrained/, so compile, train, a resumed train and
-  bench of the run all see the same encoder, and DIR may go away afterwards.
-- `train` on such a run dir gives the encoder BERT's shape (hidden size, layers, heads, FFN width,
-  vocabulary, LayerNorm epsilon, post-LN blocks) and weights; the fusion MLPs, feature embeddings
-  and the aux head stay newly initialised. Checkpoints carry the weights and that config, so
-  validate, embed and export never need DIR.
-
-transformers' BertModel parameter names -> TextEncoder (pipeline_steps/model.py):
-    embeddings.word_embeddings                      token
-    embeddings.position_embeddings[:L] + token_type_embeddings[0]   position (one text per input:
-                                                    segment 0 always, so its vector folds into
-                                                    every position's)
-    embeddings.LayerNorm                            embed_norm
-    encoder.layer.i.attention.self.{query,key,value}  blocks.i.attn.qkv (stacked in that order)
-    encoder.layer.i.attention.output.dense          blocks.i.attn.out
-    encoder.layer.i.attention.output.LayerNorm      blocks.i.attn_norm   (post-LN)
-    encoder.layer.i.intermediate.dense              blocks.i.ffn.0
-    encoder.layer.i.output.dense                    blocks.i.ffn.2
-    encoder.layer.i.output.LayerNorm                blocks.i.ffn_norm    (post-LN)
-    pooler.*                                        unused: the project mean-pools the token states
+The directory holds config.json (model_type "bert"), model.safetensors and tokenizer.json.
+`prepare --pretrained DIR` checks it, keeps its tokenizer and copies config + weights to
+RUN_DIR/prepared/pretrained/; `train` then builds the encoder in BERT's shape and loads those weights
+(`encoder_config`, `init_encoder`). What is kept, what starts new, what is refused: docs/training.md.
 """
 
 from __future__ import annotations
@@ -269,12 +249,14 @@ def encoder_config(prepared: Path, base: ModelConfig) -> ModelConfig:
 
 
 def encoder_state(weights: dict[str, torch.Tensor], num_layers: int, max_positions: int) -> dict[str, torch.Tensor]:
-    """TextEncoder state_dict from BertModel tensors (see the module docstring for the mapping)."""
+    """TextEncoder state_dict (pipeline_steps/model.py) from transformers' BertModel tensors.
+    BERT's pooler.* is not mapped: the towers mean-pool the token states."""
     import torch
 
     w = {_canonical(k): v.float() for k, v in weights.items()}
     state = {
         "token.weight": w["embeddings.word_embeddings.weight"],
+        # One text per input, so always segment 0: its token-type vector folds into every position's.
         "position.weight": (w["embeddings.position_embeddings.weight"][:max_positions]
                             + w["embeddings.token_type_embeddings.weight"][0]),
         "embed_norm.weight": w["embeddings.LayerNorm.weight"],
@@ -283,13 +265,14 @@ def encoder_state(weights: dict[str, torch.Tensor], num_layers: int, max_positio
     for i in range(num_layers):
         src, dst = f"encoder.layer.{i}.", f"blocks.{i}."
         for kind in ("weight", "bias"):
+            # The fused projection stacks query, key and value in that order (SelfAttention.forward).
             state[f"{dst}attn.qkv.{kind}"] = torch.cat(
                 [w[f"{src}attention.self.{p}.{kind}"] for p in ("query", "key", "value")])
             state[f"{dst}attn.out.{kind}"] = w[f"{src}attention.output.dense.{kind}"]
-            state[f"{dst}attn_norm.{kind}"] = w[f"{src}attention.output.LayerNorm.{kind}"]
+            state[f"{dst}attn_norm.{kind}"] = w[f"{src}attention.output.LayerNorm.{kind}"]  # post-LN
             state[f"{dst}ffn.0.{kind}"] = w[f"{src}intermediate.dense.{kind}"]
             state[f"{dst}ffn.2.{kind}"] = w[f"{src}output.dense.{kind}"]
-            state[f"{dst}ffn_norm.{kind}"] = w[f"{src}output.LayerNorm.{kind}"]
+            state[f"{dst}ffn_norm.{kind}"] = w[f"{src}output.LayerNorm.{kind}"]  # post-LN
     return state
 
 

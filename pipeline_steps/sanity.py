@@ -1,21 +1,12 @@
 """sanity: device, collective and host health checks, run before spending trn1 hours.
 
-Writes DIR/sanity/rank-<r>.json (every rank's checks) and DIR/sanity/sanity.json (rank 0: overall
-status, failed ranks and why); each check is {name, status: passed|failed|skipped, expected, actual,
-seconds, detail}. Every rank checks the world size, a device matmul and all_reduce / all_gather /
-reduce_scatter against closed-form results; local rank 0 of each node checks Neuron and EFA device
-counts against the instance type's row (pipeline_steps/contract.py), `fi_info -p efa`, the FSx mount
-and `nccom-test`. A check whose tool is absent is "skipped", never "passed".
+Writes DIR/sanity/rank-<r>.json (every rank) and DIR/sanity/sanity.json (rank 0: status, failed
+ranks and why). Exit 75 (retried) for a failed check, a failed process-group join or a run past
+--timeout-s; 78 for an INSTANCE_TYPE outside the instance table, --iterations or --expect-world-size
+below 1, or a bad PIPELINE_SANITY_FAULT_RANK. What it checks: docs/infrastructure.md.
 
-Exit codes: 75 (RETRYABLE, Batch retries on other hosts) for any failed check, a failed process-group
-join or a hang past --timeout-s (the stall watchdog); 78 (BAD_CONFIG) for bad flags, an INSTANCE_TYPE
-not in the table or a bad PIPELINE_SANITY_FAULT_RANK. Each rank records its code in
-$PIPELINE_EXIT_CODE_FILE and training_image/entrypoint.sh exits with it (torchrun alone would exit 1).
-PIPELINE_SANITY_FAULT_RANK=<r> makes rank r contribute a wrong all_reduce value (tests the detection).
-
-    python -m pipeline_steps sanity --run-dir runs/demo --backend cpu
-    torchrun --standalone --nproc_per_node 2 -m pipeline_steps sanity --run-dir runs/demo --backend cpu
-    torchrun $TORCHRUN_ARGS -m pipeline_steps sanity --run-dir /fsx/runs/$RUN_ID --fsx-path /fsx  # AWS Batch
+Local:  torchrun --standalone --nproc_per_node 2 -m pipeline_steps sanity --run-dir runs/demo --backend cpu
+AWS:    torchrun $TORCHRUN_ARGS -m pipeline_steps sanity --run-dir /fsx/runs/<run_id> --fsx-path /fsx
 """
 
 from __future__ import annotations
@@ -47,6 +38,7 @@ from .watchdog import Watchdog
 log = logging.getLogger(__name__)
 
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
+# PIPELINE_SANITY_FAULT_RANK=<r>: rank r contributes a wrong all_reduce value (tests the detection path).
 FAULT_RANK_ENV = "PIPELINE_SANITY_FAULT_RANK"
 
 

@@ -1,17 +1,9 @@
 """The upload contract, and waiting until an upload is complete on the file system.
 
-An upload is `<dataset>/<version>/{products/..., pairs/..., _SUCCESS}`, with `_SUCCESS` uploaded
-last. On AWS, `prepare` reads it through FSx for Lustre, whose automatic import from S3 is
-asynchronous: the `_SUCCESS` event fires when S3 has the object, and FSx creates the file and
-directory listings later, object by object, in no guaranteed order
-(https://docs.aws.amazon.com/fsx/latest/LustreGuide/autoimport-data-repo-dra.html). So prepare
-waits, bounded, until every file of the upload is visible with its full size.
-
-`_SUCCESS` can carry a manifest of the upload (recommended; `manifest_for` writes one):
-    {"files": [{"path": "products/part-00000.jsonl", "bytes": 1234, "sha256": "..."}, ...]}
-`path` is relative to the upload directory; `sha256` is optional and checked by prepare. With
-an empty `_SUCCESS`, the upload counts as complete once the marker is visible and the listing
-(names and sizes) stays the same over one poll interval.
+An upload is `<dataset>/<version>/{products/..., pairs/..., _SUCCESS}`, `_SUCCESS` uploaded last and
+best a manifest of the files (`manifest_for` writes one). On AWS, prepare waits, bounded (then exit
+75), until every file is visible on FSx with its full size. Why, and the manifest format:
+docs/data.md, "Data readiness".
 """
 
 from __future__ import annotations
@@ -29,6 +21,8 @@ from .fileio import sha256_file
 log = logging.getLogger("pipeline_steps.upload")
 
 SUCCESS_MARKER = "_SUCCESS"
+# FSx for Lustre imports new S3 objects asynchronously, object by object, in no guaranteed order:
+# the _SUCCESS event can arrive before the upload is visible on /fsx.
 DOCS = "https://docs.aws.amazon.com/fsx/latest/LustreGuide/autoimport-data-repo-dra.html"
 
 

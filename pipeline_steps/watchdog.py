@@ -1,13 +1,5 @@
-"""In-process stall watchdog: ends the process with exit code 75 (ExitCode.RETRYABLE, which AWS
-Batch retries) when no step completes within the bound.
-
-A hung collective never fails by itself, and the main thread may be blocked in C++ where no
-exception reaches it. So a daemon thread watches the time since the last `beat()` (before the
-first beat: `startup_timeout_s`, covering graph compilation). Past the bound it logs what stalled,
-dumps every thread's stack, runs `on_stall` (all within REPORT_GRACE_S), records the code for the
-entrypoint with `errors.record_exit_code` (torchrun itself would exit 1) and calls `os._exit`.
-A process too frozen to run this thread is caught by the heartbeat alarm (`pipeline_steps.heartbeat`).
-`timeout_s <= 0` disables it. Usage:
+"""In-process stall watchdog: exits 75 (ExitCode.RETRYABLE, which AWS Batch retries) when no step
+completes within the bound; `timeout_s <= 0` disables it. Why and what it reports: docs/operations.md.
 
     with Watchdog(timeout_s=1800, what="training step", startup_timeout_s=3600) as watchdog:
         for batch in batches:
@@ -162,6 +154,8 @@ class Watchdog:
                 pass
 
     def _fire(self) -> None:
+        # Exit from this thread: the main thread may be blocked in C++ (a hung collective) where no
+        # exception reaches it. The entrypoint reads the recorded code, since torchrun itself exits 1.
         message = self._message()
         # The report may block (a handler stuck on a full pipe, an FSx write hanging in on_stall):
         # run it in its own thread and exit after a bounded grace period whatever happens.

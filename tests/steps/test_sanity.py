@@ -101,7 +101,7 @@ def test_wrong_all_reduce_value_fails_with_exit_75_and_expected_vs_actual(single
 def test_one_faulty_rank_under_torchrun_fails_every_rank_with_75(tmp_path):
     result = run_cli("sanity", "--run-dir", tmp_path, "--backend", "cpu", "--iterations", "1",
                      env=cli_env(**{sanity.FAULT_RANK_ENV: "1"}), torchrun=2, timeout=300)
-    # torchrun reports the worker's code and itself exits 1 (see the sanity module docstring).
+    # torchrun reports the worker's code and itself exits 1 (why the entrypoint records it: docs/infrastructure.md).
     assert result.returncode != 0
     assert "exitcode  : 75" in result.stderr
     assert "expected x[0:4]=[3, 6, 9, 12], actual x[0:4]=[1003, 1006, 1009, 1012]" in result.stderr
