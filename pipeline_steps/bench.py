@@ -203,7 +203,7 @@ def synthetic_batch(cfg: ModelConfig, shape: Shape, seed: int = 0) -> dict[str, 
 
 
 def make_trainer(run_dir: Path, preset: str, backend: str):
-    from .train import Trainer
+    from .trainer import Trainer
 
     world = dist_lib.init(backend)
     cfg = dataclasses.replace(get_preset(preset).train, stall_timeout_s=1e9)
@@ -317,7 +317,7 @@ def bench_train(preset: str, run_dir: Path, shape: Shape, backends: list[str], e
 
 def bench_xla_run(work: Path) -> dict[str, Any]:
     """A full local training run (every epoch of the tiny demo) under XLA; its XlaAccounting report."""
-    from .train import run_training
+    from .trainer import run_training
 
     run_dir = prepared_run_dir(work, XLA_RUN_PRESET, "xla-run")
     trainer = make_trainer(run_dir, XLA_RUN_PRESET, "xla")
