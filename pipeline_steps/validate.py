@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 from . import distributed, metrics as metrics_lib
-from .embed import DEFAULT_BATCH_SIZE, InferenceModel, check_compatible, embed_products, embed_queries, \
+from .inference import DEFAULT_BATCH_SIZE, InferenceModel, check_compatible, embed_products, embed_queries, \
     load_for_inference
 from .errors import BadConfigError, BadInputError, GateFailedError, RetryableError
 from . import tracking
