@@ -127,7 +127,7 @@ def test_s3_upload_writes_every_file_then_the_marker_and_a_failed_retry_leaves_n
         written: list[str] = []
         put_object = s3.put_object  # upload_file of a small file is one put_object too
         s3.put_object = lambda **kw: (written.append(kw["Key"]), put_object(**kw))[1]
-        monkeypatch.setattr("pipeline_steps.validate._s3_client", lambda: s3)
+        monkeypatch.setattr("pipeline_steps.s3.client", lambda: s3)
         assert export.main(["--checkpoint", str(trained_run), "--out", str(out), "--s3-uri", f"s3://artifacts/{prefix}"]) == 0
 
         local = sorted(prefix + p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
