@@ -1,7 +1,7 @@
 """The trainer: model, optimizer, schedule and data of one run, its training step and its loop.
 
-`train` (and `compile`, `bench`) build a `Trainer` and call `run_training`; see the `train` step for
-the commands.
+The `train` step builds a `Trainer` and calls `run_training` (its docstring has the commands);
+`compile` and benchmarks/bench.py drive the same trainer.
 
 XLA discipline: every batch has one of a few static shapes (one per length bucket), the AdamW
 state is materialised before the first step so step 1 and step N trace the same graph, one
