@@ -88,7 +88,7 @@ lock: $(STAMP)
 	$(PY) scripts/lock_deploy.py
 
 bench: $(STAMP)
-	$(PY) -m pipeline_steps bench --quick --out bench.json
+	$(PY) -m benchmarks.bench --quick --out bench.json
 
 clean:
 	rm -rf cdk.out runs .pytest_cache $(DEPLOY_VENV)

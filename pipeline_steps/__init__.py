@@ -1,4 +1,4 @@
-"""The pipeline's steps: prepare, sanity, compile, train, validate, embed (and run-local, bench).
+"""The pipeline's steps: prepare, sanity, compile, train, validate, embed, export (and run-local, parity).
 
 One package, one CLI: `python -m pipeline_steps <step> --help`. Library modules (config,
 distributed, data, model, checkpoint, ...) hold the logic; each step module is a thin `main(argv)`.

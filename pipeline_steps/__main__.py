@@ -30,7 +30,6 @@ STEPS: dict[str, tuple[str, str]] = {
     "embed": ("pipeline_steps.embed", "sharded batch inference of the catalog to Parquet"),
     "export": ("pipeline_steps.export", "the towers as sentence-transformers folders for serving"),
     "run-local": ("pipeline_steps.run_local", "the whole chain on this machine (demo data by default)"),
-    "bench": ("pipeline_steps.bench", "throughput ratios against a peer and this machine's ceiling"),
     "parity": ("pipeline_steps.parity", "train two backends over several seeds; compare metric means and spread"),
 }
 
@@ -42,8 +41,8 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-# The pipeline's steps (a child run each of the pipeline's MLflow run); run-local and bench are tools.
-TRACKED_STEPS = frozenset(STEPS) - {"run-local", "bench"}
+# The pipeline's steps (a child run each of the pipeline's MLflow run); run-local is a tool.
+TRACKED_STEPS = frozenset(STEPS) - {"run-local"}
 
 
 def _run_dir_of(args: list[str]) -> str | None:

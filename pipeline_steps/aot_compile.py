@@ -29,7 +29,7 @@ from . import distributed as dist_lib
 from .errors import EXIT_CODE_FILE_ENV, BadConfigError, ExitCode, RetryableError, StepError
 from . import tracking
 from .fileio import atomic_write_json
-from .train import Trainer, add_train_args, resolve_train_config
+from .trainer import Trainer, add_train_args, resolve_train_config
 
 log = logging.getLogger(__name__)
 

@@ -244,11 +244,11 @@ def upload(out: Path, s3_uri: str) -> list[str]:
     a retried upload that stops half-way never leaves a marker over a mix of two attempts."""
     from botocore.exceptions import BotoCoreError, ClientError
 
-    from .validate import _s3_client, _s3_error, _split_s3
+    from . import s3
 
-    bucket, prefix = _split_s3(s3_uri.rstrip("/") + "/" + MARKER)
+    bucket, prefix = s3.split_uri(s3_uri.rstrip("/") + "/" + MARKER)
     prefix = prefix[: -len(MARKER)]
-    client = _s3_client()
+    client = s3.client()
     keys = []
     try:
         client.delete_object(Bucket=bucket, Key=prefix + MARKER)
@@ -258,7 +258,7 @@ def upload(out: Path, s3_uri: str) -> list[str]:
             keys.append(key)
         client.put_object(Bucket=bucket, Key=prefix + MARKER, Body=b"")
     except (ClientError, BotoCoreError) as exc:
-        raise _s3_error(exc, s3_uri, "upload the export to") from exc
+        raise s3.step_error(exc, s3_uri, "upload the export to") from exc
     keys.append(prefix + MARKER)
     log.info("export uploaded to s3://%s/%s (%d objects, %s last)", bucket, prefix, len(keys), MARKER)
     return keys

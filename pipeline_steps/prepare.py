@@ -102,8 +102,8 @@ def _data_dir_inputs(data_dir: Path) -> tuple[list[Path], list[Path]]:
         raise BadInputError(f"--data {data_dir} does not exist; check the path (on AWS: "
                             f"{FSX_INCOMING}/<dataset>/<version>)")
     if not data_dir.is_dir():
-        raise BadInputError(f"--data expects a directory holding products/ and pairs/; for single files "
-                            f"use --products FILE --pairs FILE")
+        raise BadInputError("--data expects a directory holding products/ and pairs/; for single files "
+                            "use --products FILE --pairs FILE")
     entries = sorted(p for p in data_dir.iterdir() if not p.name.startswith((".", "_")))
     found = {}
     for kind in ("products", "pairs"):

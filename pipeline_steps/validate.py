@@ -60,10 +60,10 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from . import distributed, metrics as metrics_lib
-from .embed import DEFAULT_BATCH_SIZE, InferenceModel, check_compatible, embed_products, embed_queries, \
+from . import distributed, metrics as metrics_lib, s3
+from .inference import DEFAULT_BATCH_SIZE, InferenceModel, check_compatible, embed_products, embed_queries, \
     load_for_inference
-from .errors import BadConfigError, BadInputError, GateFailedError, RetryableError
+from .errors import BadConfigError, BadInputError, GateFailedError
 from . import tracking
 from .fileio import atomic_write_json
 
@@ -175,49 +175,20 @@ def bm25_metrics(prepared: Any, holdout: Holdout) -> dict[str, float | None]:
 
 # ============================================================================ previous metrics
 
-def _split_s3(uri: str) -> tuple[str, str]:
-    bucket, _, key = uri[len("s3://"):].partition("/")
-    if not uri.startswith("s3://") or not bucket or not key:
-        raise BadConfigError(f"not an S3 object URI: {uri!r}; expected s3://bucket/key")
-    return bucket, key
-
-
-def _s3_client() -> Any:
-    try:
-        import boto3
-    except ImportError:
-        raise BadConfigError("s3:// URIs need boto3: `pip install boto3` (the training image has it), "
-                             "or pass local paths") from None
-    return boto3.client("s3")
-
-
-def _s3_error(exc: Exception, uri: str, action: str) -> Exception:
-    """Map a boto3 error to the exit-code table: permissions/config -> 78, transient -> 75."""
-    from botocore.exceptions import ClientError, NoCredentialsError
-
-    if isinstance(exc, NoCredentialsError):
-        return BadConfigError(f"cannot {action} {uri}: no AWS credentials (set a profile or an instance role)")
-    code = exc.response.get("Error", {}).get("Code", "") if isinstance(exc, ClientError) else ""
-    if code in ("AccessDenied", "403", "NoSuchBucket", "InvalidBucketName", "AllAccessDisabled"):
-        return BadConfigError(f"cannot {action} {uri}: {code}; check the bucket name and the job role's "
-                              "s3 permissions")
-    return RetryableError(f"cannot {action} {uri}: {exc}")
-
-
 def _read_source(source: str) -> bytes | None:
     """Bytes of a local path or s3:// object; None when it does not exist."""
     if source.startswith("s3://"):
         from botocore.exceptions import BotoCoreError, ClientError
 
-        bucket, key = _split_s3(source)
+        bucket, key = s3.split_uri(source)
         try:
-            return _s3_client().get_object(Bucket=bucket, Key=key)["Body"].read()
+            return s3.client().get_object(Bucket=bucket, Key=key)["Body"].read()
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
                 return None
-            raise _s3_error(exc, source, "read") from exc
+            raise s3.step_error(exc, source, "read") from exc
         except BotoCoreError as exc:
-            raise _s3_error(exc, source, "read") from exc
+            raise s3.step_error(exc, source, "read") from exc
     path = Path(source)
     return path.read_bytes() if path.is_file() else None
 
@@ -260,11 +231,11 @@ def load_previous(source: str | None) -> dict[str, float] | None:
 def upload_s3(data: bytes, uri: str) -> None:
     from botocore.exceptions import BotoCoreError, ClientError
 
-    bucket, key = _split_s3(uri)
+    bucket, key = s3.split_uri(uri)
     try:
-        _s3_client().put_object(Bucket=bucket, Key=key, Body=data, ContentType="application/json")
+        s3.client().put_object(Bucket=bucket, Key=key, Body=data, ContentType="application/json")
     except (ClientError, BotoCoreError) as exc:
-        raise _s3_error(exc, uri, "write") from exc
+        raise s3.step_error(exc, uri, "write") from exc
     log.info("gate decision uploaded to %s", uri)
 
 
@@ -399,7 +370,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not 0.0 <= args.tolerance < 1.0:
         parser.error("--tolerance is an absolute metric difference in [0, 1)")
     if args.gate_s3_uri:
-        _split_s3(args.gate_s3_uri)
+        s3.split_uri(args.gate_s3_uri)
     # Parsed after argparse so a bad value exits 78 with the fix-it, not argparse's generic message.
     args.gated = parse_gated(args.gate_metric)
     args.floors = parse_floors(args.floor, args.floor_recall_at_10)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline_steps import checkpoint, data as data_lib, embed
+from pipeline_steps import checkpoint, data as data_lib, inference as inference_lib
 from pipeline_steps.config import ModelConfig, from_dict, to_dict
 from pipeline_steps.model import EmbeddingModel
 from tests.steps.conftest import run_cli
@@ -35,23 +35,23 @@ def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _project_queries(ckpt: Path, texts: list[str]) -> np.ndarray:
-    inference = embed.load_for_inference(ckpt, "cpu")
+    inference = inference_lib.load_for_inference(ckpt, "cpu")
     state = inference.state
     tokenizer = data_lib.Tokenizer.from_str(state["tokenizer"]["json"])
     length = state["config"]["data"]["query_length"]
     ids, lengths = data_lib.encode_texts(tokenizer, texts, length)
-    return embed.embed_queries(inference, ids, lengths, batch_size=4, query_length=length)[0]
+    return inference_lib.embed_queries(inference, ids, lengths, batch_size=4, query_length=length)[0]
 
 
 def _project_products(ckpt: Path, texts: list[str]) -> np.ndarray:
-    inference = embed.load_for_inference(ckpt, "cpu")
+    inference = inference_lib.load_for_inference(ckpt, "cpu")
     state = inference.state
     tokenizer = data_lib.Tokenizer.from_str(state["tokenizer"]["json"])
     buckets = state["config"]["data"]["length_buckets"]
     ids, lengths = data_lib.encode_texts(tokenizer, texts, max(buckets))
     products = SimpleNamespace(token_ids=ids, lengths=lengths, numeric=np.zeros((len(texts), 0), np.float32),
                                categorical=np.zeros((len(texts), 0), np.int64))
-    return embed.embed_products(inference, products, np.arange(len(texts)), batch_size=4, buckets=buckets)
+    return inference_lib.embed_products(inference, products, np.arange(len(texts)), batch_size=4, buckets=buckets)
 
 
 def test_trained_query_tower_loads_in_sentence_transformers_with_the_projects_embeddings(
@@ -127,7 +127,7 @@ def test_s3_upload_writes_every_file_then_the_marker_and_a_failed_retry_leaves_n
         written: list[str] = []
         put_object = s3.put_object  # upload_file of a small file is one put_object too
         s3.put_object = lambda **kw: (written.append(kw["Key"]), put_object(**kw))[1]
-        monkeypatch.setattr("pipeline_steps.validate._s3_client", lambda: s3)
+        monkeypatch.setattr("pipeline_steps.s3.client", lambda: s3)
         assert export.main(["--checkpoint", str(trained_run), "--out", str(out), "--s3-uri", f"s3://artifacts/{prefix}"]) == 0
 
         local = sorted(prefix + p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())

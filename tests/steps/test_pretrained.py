@@ -13,7 +13,7 @@ import torch
 from pipeline_steps import checkpoint, data as data_lib, distributed, pretrained
 from pipeline_steps.config import get_preset
 from pipeline_steps.errors import ExitCode
-from pipeline_steps.train import Trainer
+from pipeline_steps.trainer import Trainer
 from tests.steps.conftest import run_cli
 from tests.steps.hf_fixtures import load_hf_bert, save_tiny_bert
 

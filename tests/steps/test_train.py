@@ -149,7 +149,7 @@ from pathlib import Path
 from pipeline_steps import distributed as dist_lib
 from pipeline_steps.config import get_preset
 from pipeline_steps.errors import NonFiniteLossError
-from pipeline_steps.train import Trainer
+from pipeline_steps.trainer import Trainer
 
 world = dist_lib.init("xla")
 trainer = Trainer(Path(sys.argv[1]), "tiny", get_preset("tiny").train, world)

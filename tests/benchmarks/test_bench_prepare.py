@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from pipeline_steps.bench import bench_prepare
+from benchmarks.bench import bench_prepare
 
 
 def test_bench_prepare_measures_a_prepare_process_and_a_rank(tmp_path):

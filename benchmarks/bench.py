@@ -1,7 +1,7 @@
-"""The `bench` command: throughput as ratios that hold on any machine.
+"""The benchmark: throughput as ratios that hold on any machine.
 
 Measures, in one process, against a well-known peer and against this machine's own matmul ceiling:
-  train     tokens/s and achieved FLOP/s of one training step (pipeline_steps.train.Trainer.train_step)
+  train     tokens/s and achieved FLOP/s of one training step (pipeline_steps.trainer.Trainer.train_step)
             per preset and backend; mfu_vs_ceiling = achieved FLOP/s / a large fp32 GEMM's FLOP/s;
             train_ratio_vs_peer = our tokens/s / Hugging Face BertModel's with the same shape, batch,
             sequence lengths, AdamW, grad clipping and in-batch contrastive loss on mean-pooled outputs.
@@ -9,8 +9,8 @@ Measures, in one process, against a well-known peer and against this machine's o
             xla_* keys repeat the first XLA preset's numbers).
   xla       graphs compiled in a full local training run (tiny preset) and compiles after warm-up.
   loader    batches/s TrainBatches produces / batches/s the train step consumes = loader_headroom.
-  embed     embeddings/s of the embed step's path (tokenise + embed.embed_products on a checkpoint
-            loaded by embed.load_for_inference) / sentence-transformers `encode` on a BertModel of the
+  embed     embeddings/s of the embed step's path (tokenise + inference.embed_products on a checkpoint
+            loaded by inference.load_for_inference) / sentence-transformers `encode` on a BertModel of the
             same shape, same texts, same batch size = embed_ratio_vs_peer; every preset on every
             backend. embed mfu_vs_ceiling = FLOP/s on real (unpadded) tokens / the GEMM ceiling, same rounds.
   checkpoint  checkpoint.save / checkpoint.load seconds per GB on a base-size state (model + AdamW).
@@ -21,11 +21,12 @@ Measures, in one process, against a well-known peer and against this machine's o
 Method: warm-up first; then `repeats` rounds in which ours and the peer (and the GEMM ceiling) run
 back to back, in alternating order; every ratio is taken within a round and the median over rounds
 is reported, so a noisy machine (other jobs) moves both sides of a ratio together. Timings never
-appear in tests; tests/steps/test_bench.py only checks that the command runs and writes its keys.
+appear in tests; tests/benchmarks/test_bench.py only checks that the command runs and writes its keys.
 
-Local:  python -m pipeline_steps bench --quick --out bench.json          (make bench; a few minutes)
-        python -m pipeline_steps bench --out bench.json                  (small + base, cpu + xla)
-        python -m pipeline_steps bench --presets tiny --backends cpu --quick   (the smoke test)
+Local (from a checkout, with the `bench` extra: the peers' libraries are not in the package):
+        python -m benchmarks.bench --quick --out bench.json          (make bench; a few minutes)
+        python -m benchmarks.bench --out bench.json                  (small + base, cpu + xla)
+        python -m benchmarks.bench --presets tiny --backends cpu --quick   (the smoke test)
 Reading the numbers: benchmarks/README.md.
 """
 
@@ -38,6 +39,7 @@ import logging
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -47,9 +49,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from . import checkpoint, data as data_lib, distributed as dist_lib
-from .config import ModelConfig, get_preset
-from .fileio import atomic_write_json
+from pipeline_steps import checkpoint, data as data_lib, distributed as dist_lib
+from pipeline_steps.__main__ import configure_logging
+from pipeline_steps.config import ModelConfig, get_preset
+from pipeline_steps.fileio import atomic_write_json
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +60,7 @@ CEILING_GEMM_N = 2048
 """Side of the square fp32 GEMM whose FLOP/s is this machine's ceiling (large enough to be
 compute-bound on any CPU; 17 GFLOP per call)."""
 EMBED_BATCH_SIZE = 64
-"""The embed step's default batch size (embed.DEFAULT_BATCH_SIZE), used for ours and the peer."""
+"""The embed step's default batch size (inference.DEFAULT_BATCH_SIZE), used for ours and the peer."""
 XLA_RUN_PRESET = "tiny"
 """Preset of the full local XLA training run whose graphs are counted (CPU XLA compiles slowly)."""
 
@@ -160,7 +163,7 @@ def head_params(cfg: ModelConfig) -> int:
 
 
 def _cat_dim(cardinality: int) -> int:
-    from .model import categorical_embedding_dim
+    from pipeline_steps.model import categorical_embedding_dim
 
     return categorical_embedding_dim(cardinality)
 
@@ -203,7 +206,7 @@ def synthetic_batch(cfg: ModelConfig, shape: Shape, seed: int = 0) -> dict[str, 
 
 
 def make_trainer(run_dir: Path, preset: str, backend: str):
-    from .train import Trainer
+    from pipeline_steps.trainer import Trainer
 
     world = dist_lib.init(backend)
     cfg = dataclasses.replace(get_preset(preset).train, stall_timeout_s=1e9)
@@ -317,7 +320,7 @@ def bench_train(preset: str, run_dir: Path, shape: Shape, backends: list[str], e
 
 def bench_xla_run(work: Path) -> dict[str, Any]:
     """A full local training run (every epoch of the tiny demo) under XLA; its XlaAccounting report."""
-    from .train import run_training
+    from pipeline_steps.trainer import run_training
 
     run_dir = prepared_run_dir(work, XLA_RUN_PRESET, "xla-run")
     trainer = make_trainer(run_dir, XLA_RUN_PRESET, "xla")
@@ -387,7 +390,7 @@ def bench_embed(trainer, work: Path, *, num_texts: int, repeats: int, backends: 
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.models import Pooling, Transformer
 
-    from .embed import embed_products, load_for_inference
+    from pipeline_steps.inference import embed_products, load_for_inference
 
     ckpt_dir = work / f"embed-checkpoint-{trainer.preset}"
     path = checkpoint.save(ckpt_dir, trainer.checkpoint_state(), keep=2)
@@ -496,7 +499,7 @@ def _write_jsonl_upload(out: Path, num_records: int) -> int:
     """The demo generator's catalog and pairs, num_records in all, as JSON Lines shards."""
     import orjson
 
-    from .demo_data import generate
+    from pipeline_steps.demo_data import generate
 
     products, pairs = generate(max(num_records // 5, 10), 4, seed=0)
     for kind, records in (("products", products), ("pairs", pairs)):
@@ -546,7 +549,7 @@ def prepared_run_dir(work: Path, preset: str, name: str | None = None) -> Path:
     """A run dir holding the preset's prepared demo data (prepared once per preset, then copied)."""
     import shutil
 
-    from . import prepare
+    from pipeline_steps import prepare
 
     source = work / f"prepared-{preset}"
     if not (source / "prepared" / "prepare.json").exists():
@@ -738,7 +741,7 @@ def print_report(result: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline_steps bench", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="a few minutes on 2 cores: base at batch 8 x (32+64) and eager only, 3 rounds")
@@ -755,3 +758,8 @@ def main(argv: list[str] | None = None) -> int:
         atomic_write_json(args.out, result)
         log.info("wrote %s", args.out)
     return 0
+
+
+if __name__ == "__main__":
+    configure_logging()
+    sys.exit(main())

@@ -1,21 +1,23 @@
-"""`python -m pipeline_steps bench`: runs end to end and writes the documented keys. No timing is asserted
+"""`python -m benchmarks.bench`: runs end to end and writes the documented keys. No timing is asserted
 (a benchmark measures; a test never times)."""
 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 from torch import nn
 
 import numpy as np
 
-from pipeline_steps.bench import Shape, embed_flops, matmul_params, train_step_flops
+from benchmarks.bench import Shape, embed_flops, matmul_params, train_step_flops
 from pipeline_steps.config import get_preset
 from pipeline_steps.fileio import read_json
 from pipeline_steps.model import TextEncoder
 
-from .conftest import run_cli
+from tests.steps.conftest import REPO, cli_env
 
 DOCUMENTED_KEYS = {"train_ratio_vs_peer", "embed_ratio_vs_peer", "embed_mfu_vs_ceiling", "embed_by_preset",
                    "loader_headroom", "compiles_after_warmup", "graphs_compiled", "mfu_vs_ceiling",
@@ -25,8 +27,9 @@ DOCUMENTED_KEYS = {"train_ratio_vs_peer", "embed_ratio_vs_peer", "embed_mfu_vs_c
 
 def test_quick_tiny_bench_writes_every_documented_key(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    result = run_cli("bench", "--quick", "--presets", "tiny", "--backends", "cpu", "--repeats", "1",
-                     "--work-dir", tmp_path, "--out", out)
+    result = subprocess.run([sys.executable, "-m", "benchmarks.bench", "--quick", "--presets", "tiny",
+                             "--backends", "cpu", "--repeats", "1", "--work-dir", str(tmp_path), "--out", str(out)],
+                            env=cli_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     report = read_json(out)
     assert DOCUMENTED_KEYS <= set(report)

@@ -1,0 +1,1 @@
+"""Benchmarks run from a checkout (`python -m benchmarks.bench`); not part of the shipped package."""

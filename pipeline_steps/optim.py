@@ -1,0 +1,28 @@
+"""The optimizer and learning-rate schedule the trainer uses: AdamW with BERT's weight-decay groups,
+linear warm-up then linear decay."""
+
+from __future__ import annotations
+
+import torch
+
+from . import distributed as dist_lib
+from .config import TrainConfig
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, world: dist_lib.World) -> torch.optim.Optimizer:
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        # Biases, LayerNorm and embedding tables are not decayed (BERT recipe).
+        (no_decay if param.ndim < 2 or "norm" in name or "embed" in name else decay).append(param)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return dist_lib.make_adamw(world, groups, lr=cfg.lr, betas=(0.9, 0.999), eps=1e-6)
+
+
+def lr_factor(step: int, cfg: TrainConfig, total_steps: int) -> float:
+    """Linear warm-up, then linear decay to 10%. Never exactly 0 or 1 after warm-up starts: on XLA
+    those are 'special' scalars baked into the graph, any other value is passed as data."""
+    warmup = max(1, cfg.warmup_steps)
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    progress = (step - warmup) / max(1, total_steps - warmup)
+    return max(0.1, 1.0 - 0.9 * progress) * 0.999
