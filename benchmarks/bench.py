@@ -383,8 +383,8 @@ def embed_num_texts(preset: str, quick: bool) -> int:
 
 def bench_embed(trainer, work: Path, *, num_texts: int, repeats: int, backends: list[str], eager: str,
                 ceiling: Callable[[], float]) -> dict[str, Any]:
-    """Ours, per backend: tokenise (as prepare does) + embed.embed_products on the checkpoint loaded
-    by embed.load_for_inference. Peer: SentenceTransformer(Transformer + mean Pooling).encode with
+    """Ours, per backend: tokenise (as prepare does) + inference.embed_products on the checkpoint loaded
+    by inference.load_for_inference. Peer: SentenceTransformer(Transformer + mean Pooling).encode with
     normalize_embeddings, on the eager device. Same texts, same batch size. The GEMM ceiling runs in
     the same rounds, so mfu_vs_ceiling = achieved FLOP/s on real tokens / the ceiling's FLOP/s."""
     from sentence_transformers import SentenceTransformer
