@@ -1,40 +1,13 @@
-"""Step `embed`: batch inference of the whole catalog into Parquet shards plus a manifest.
+"""Step `embed`: batch inference of the catalog into Parquet shards plus a manifest.
 
-Reads   DIR/prepared/ (products.parquet, tokenizer.json, schema.json; from `prepare`) and a checkpoint
-        (`--checkpoint` = a .pt file or a run dir -> its latest valid checkpoint; default DIR).
-Writes  OUT/part-00002-of-00004.parquet   columns id: string, embedding: fixed_size_list<float32, E>
-                                          (L2-normalised; rows in prepared catalog order)
-        OUT/_shards/part-00002-of-00004.json   sidecar: rows, sha256 of the part, checkpoint sha256,
-                                          first/last id; written after the part, so it marks completion
-        OUT/manifest.json                 every shard with counts and checksums, total count,
-                                          embedding_dim, checkpoint; written once all shards exist and
-                                          every product id appears exactly once
-        (OUT defaults to DIR/embeddings). Read the files listed in manifest.json, not a glob: a rerun
-        with another shard count leaves the old count's files in place.
+Embeds shard i of n of DIR/prepared/'s catalog with a checkpoint (`--checkpoint`: a .pt file or a run
+dir, default DIR) into OUT/part-<i>-of-<n>.parquet (OUT: --out, default DIR/embeddings); the process
+that finds every shard done writes OUT/manifest.json. A complete shard is skipped on rerun. Files,
+sharding and resume rules: docs/training.md, "Validation, the quality gate, embeddings".
 
-Sharding: shard i of n is the contiguous slice [i*N//n, (i+1)*N//n) of the catalog in prepared
-order, so shards are deterministic and an AWS Batch array child maps to one shard. The index
-defaults to AWS_BATCH_JOB_ARRAY_INDEX (Batch sets it on array children) and the count to
-AWS_BATCH_JOB_ARRAY_SIZE (Batch does NOT set this one, and rejects AWS_BATCH* overrides: the
-job definition passes --shard-count Ref::shard_count, which the state machine sets to the array
-size); without them: shard 0 of 1.
-
-Idempotent and resumable: a shard whose sidecar exists, whose part matches the sidecar's sha256
-and which was made by the same checkpoint from the same catalog slice is skipped; anything else
-(a leftover temp file from a killed writer, a truncated part, a checksum mismatch, another
-checkpoint) is redone. Every process rebuilds the manifest after its shard when all sidecars are
-present, so the last child to finish publishes it; `--merge-manifest-only` does it explicitly
-(strictly: a missing or inconsistent shard is an error naming the shards to rerun).
-
-Static shapes: products are sorted by token length and cut into fixed-size batches per length
-bucket (data.text_batches; the last batch of a bucket is padded with masked rows), so an XLA run
-compiles one graph per bucket, however large the catalog.
-
-Local:   python -m pipeline_steps embed --run-dir runs/demo [--shard-index 0 --shard-count 4]
-         python -m pipeline_steps embed --run-dir runs/demo --merge-manifest-only
-AWS:     AWS Batch array job (single-node job definition "embed"), one child per shard:
-         python -m pipeline_steps embed --run-dir /fsx/runs/<run_id> --checkpoint CKPT --backend xla
-         (not under torchrun: inference needs no collectives; each child is one process)
+Local:  python -m pipeline_steps embed --run-dir runs/demo [--shard-index 0 --shard-count 4 | --merge-manifest-only]
+AWS:    array job "embed", one process per child (no torchrun: inference needs no collectives):
+        python -m pipeline_steps embed --run-dir /fsx/runs/<run_id> --checkpoint CKPT --backend xla
 """
 
 from __future__ import annotations
@@ -274,6 +247,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.monotonic()
         inference = load_for_inference(ckpt_path, backend, sha256=ckpt_sha)
         check_compatible(inference, prepared)
+        # Sorted by token length, fixed-size batches per length bucket (the last one padded with masked
+        # rows): an XLA run compiles one graph per bucket, however large the catalog.
         embeddings = embed_products(inference, prepared.products, np.arange(start, end),
                                     batch_size=args.batch_size, buckets=prepared.data_cfg.length_buckets)
         graphs = distributed.compile_count(inference.world)
@@ -286,6 +261,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            checkpoint=ckpt_path, checkpoint_sha256=ckpt_sha, extra=extra)
         log.info("shard %d/%d: %d embeddings in %.1fs -> %s", index, count, end - start, seconds, part)
 
+    # Every child tries after its shard, so the last one to finish publishes the manifest.
     manifest = build_manifest(out_dir, catalog_ids, count, strict=False, checkpoint_sha256=ckpt_sha)
     return {"shard": meta, "skipped": reason is None, "manifest": manifest}
 
