@@ -1,48 +1,14 @@
 """Step `validate`: holdout retrieval metrics, a BM25 baseline, and the quality gate.
 
-Reads   DIR/prepared/ (the holdout made by `prepare`: queries never trained on, the catalog, the
-        tokenizer) and a checkpoint (`--checkpoint` = a .pt file or a run dir -> its latest valid
-        checkpoint; default DIR). Optionally the previous production model's metrics
-        (`--previous-metrics` = a local gate.json / metrics.json / models/current.json, or an
-        s3:// URI of one; absent = "no previous model", not an error).
-Writes  DIR/validation/metrics.json  model metrics, BM25 baseline, random expectation, holdout counts
-        DIR/validation/gate.json     {passed, reasons, checks, metrics, baseline, previous, tolerance,
-                                      floors, checkpoint, checkpoint_sha256, ...}
-        (and with --gate-s3-uri the same gate.json to S3, for the state machine's Choice state)
-        DIR/validation/compare.json  with --compare: the parity report of two checkpoints
+Scores a checkpoint (`--checkpoint`, default DIR) on DIR/prepared/'s holdout next to BM25 and writes
+DIR/validation/metrics.json and gate.json (also to --gate-s3-uri). A failed gate exits 79 after
+writing gate.json (0 with --gate-report-only). `--compare CKPT_A CKPT_B` writes compare.json instead
+and exits 79 when a metric differs by more than --tolerance. Metrics, gate checks and file contents:
+docs/training.md, "Validation, the quality gate, embeddings".
 
-Metrics (pipeline_steps.metrics): every catalog product is ranked for every distinct holdout query
-by exact dot product of unit embeddings; recall@1/10/100, MRR@100 and nDCG@10 with binary
-relevance (all holdout pairs of a query are relevant), plus the auxiliary head's accuracy on
-labelled holdout pairs. BM25 (the `bm25s` library, Lucene variant, its tokenizer with lowercasing
-and English stopwords) ranks the same catalog for the same queries, side by side.
-
-The gate (all checks must pass; each becomes a line in `reasons`):
-- regression: every gated metric (default recall@10 and nDCG@10, `--gate-metric`) must be
-  >= previous - tolerance. The tolerance is absolute, default 0.001 (M5's "within 0.1%").
-- floors: `--floor KEY=VALUE` (repeatable) sets an absolute minimum, or `KEY=bm25` to require
-  beating the BM25 baseline on that metric; none by default, because a sensible absolute floor
-  depends on the catalog. `--floor-recall-at-10 X` is the job definitions' spelling of
-  `--floor recall@10=X`.
-- sanity (on unless --no-sanity-floor): recall@10 must exceed twice what a random ranking
-  expects (2 * 10 / catalog size). This catches a broken model (collapsed embeddings, a
-  tokenizer mismatch, an untrained checkpoint) on the first run, when there is no previous model
-  to regress against, and never binds a model that learned anything.
-A failed gate exits 79 (GateFailedError) after writing gate.json, unless --gate-report-only
-(then 0; the decision is `passed` in gate.json).
-
-`--compare CKPT_A CKPT_B`: M5's acceptance test as a command. Both checkpoints are scored on the
-same holdout; compare.json holds both metric sets, the deltas B - A, and whether max |delta| <=
-tolerance (parity), plus embedding agreement (mean / min cosine between A's and B's embedding of
-each product and query: ~1.0 when they are the same weights run on different backends, e.g.
-`--backend cpu --backend-b xla`). Parity failure exits 79.
-
-Local:   python -m pipeline_steps validate --run-dir runs/demo [--previous-metrics OLD/validation/gate.json]
-         python -m pipeline_steps validate --run-dir runs/demo --compare runs/gpu/checkpoints runs/trn/checkpoints
-AWS:     single-node AWS Batch job (job definition "validate"), one process, not under torchrun:
-         python -m pipeline_steps validate --run-dir /fsx/runs/<run_id> --backend xla \\
-             --previous-metrics s3://<artifacts>/models/current.json --gate-report-only \\
-             --gate-s3-uri s3://<artifacts>/runs/<run_id>/validation/gate.json
+Local:  python -m pipeline_steps validate --run-dir runs/demo [--previous-metrics OLD/validation/gate.json]
+AWS:    job "validate", one process: python -m pipeline_steps validate --run-dir /fsx/runs/<run_id> --backend xla
+            --previous-metrics s3://<artifacts>/models/current.json --gate-report-only --gate-s3-uri s3://...
 """
 
 from __future__ import annotations
@@ -133,6 +99,7 @@ def evaluate_model(inference: InferenceModel, prepared: Any, holdout: Holdout, *
     query_emb, logits = embed_queries(inference, holdout.token_ids, holdout.lengths, batch_size=batch_size,
                                       query_length=prepared.data_cfg.query_length,
                                       with_logits=holdout.num_labelled > 0)
+    # Exact ranking: every catalog product for every distinct holdout query, by dot product of unit embeddings.
     ranked = metrics_lib.top_k_by_dot(torch.from_numpy(query_emb), torch.from_numpy(product_emb),
                                       metrics_lib.RANK_DEPTH)
     result: dict[str, float | None] = dict(metrics_lib.retrieval_metrics(ranked, holdout.relevant))
@@ -422,6 +389,9 @@ def run_validate(args: argparse.Namespace) -> dict[str, Any]:
     out_dir = run_dir / "validation"
     atomic_write_json(out_dir / "metrics.json", report)
 
+    # recall@10 > 2 x random (2 * 10 / catalog size) catches a broken model (collapsed embeddings, a
+    # tokenizer mismatch, an untrained checkpoint) on a first run with no previous model to regress
+    # against, and never binds a model that learned anything.
     sanity = None if args.no_sanity_floor else SANITY_FACTOR * random[SANITY_METRIC]
     if sanity is not None and sanity >= 1.0:
         log.info("catalog of %d products is too small for the sanity floor; skipped", len(prepared.products.ids))
