@@ -1,25 +1,13 @@
 """Step `export`: the trained towers as sentence-transformers folders that serving stacks load.
 
-Reads   a checkpoint (`--checkpoint`: a .pt file, or a run dir -> its newest valid checkpoint); it
-        carries the weights, the model config, the tokenizer and the data config (max lengths).
-Writes  OUT/query/     the query tower: text -> L2-normalised embedding [E]
-        OUT/product/   the product tower, only when the model has no explicit product features
-                       (with features it needs the catalog's columns: embed products with `embed`)
-        OUT/export.json  the towers written, the checkpoint and its sha256, embedding_dim, max lengths
-        OUT is replaced as a whole (built beside it, then renamed), so a reader never sees a mix.
-
-Each tower folder is a stock sentence-transformers model (no custom code, no trust_remote_code):
-Transformer (a stock transformers encoder: BertModel for a post-LN encoder started from BERT,
-RobertaPreLayerNormModel for the default pre-LN encoder; safetensors weights, tokenizer.json) ->
-mean Pooling -> Dense + GELU -> Dense -> Normalize, i.e. exactly the project's tower.
+Writes OUT/query/, OUT/product/ (only for a model without explicit product features) and
+OUT/export.json from a checkpoint (a .pt file or a run dir); OUT is replaced as a whole.
+`--s3-uri` also uploads OUT (the marker _SUCCESS last); `--run-dir` closes the pipeline's MLflow run.
+Folder layout, publishing and exit codes: docs/training.md, "Exporting the model".
 
 Local:  python -m pipeline_steps export --checkpoint runs/demo --out runs/demo/export
-Use:    SentenceTransformer("runs/demo/export/query").encode(["red running shoes"])
-AWS:    the single-node job `Export` after Embed (docs/orchestration.md). With `--s3-uri` the step
-        uploads OUT to that prefix itself, every file first and the marker `_SUCCESS` last, so the
-        pointer models/current.json names a complete export as soon as the job succeeded (the FSx
-        auto-export to S3 is asynchronous). With `--run-dir` it is the pipeline's last Batch job:
-        it logs its child run and closes the pipeline's MLflow run (FINISHED, the gate's metrics).
+AWS:    job "export" after Embed: python -m pipeline_steps export --run-dir /fsx/runs/<run_id>
+        --checkpoint /fsx/runs/<run_id> --out /fsx/runs/<run_id>/export --s3-uri s3://<artifacts>/runs/<run_id>/export/
 """
 
 from __future__ import annotations
@@ -296,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     log.info("exported %s (step %s) to %s: %s; %s", report["checkpoint"], report["step"], args.out,
              ", ".join(report["towers"]), report["product_tower"])
     if args.s3_uri:
+        # Uploaded here, not left to the FSx auto-export to S3, which is asynchronous: with the marker
+        # last, the published pointer names a complete export as soon as the job succeeded.
         upload(args.out, args.s3_uri)
     if args.run_dir is not None:
         finish_pipeline_run(args.run_dir, report, args.out, args.s3_uri)
