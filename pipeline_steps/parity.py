@@ -1,23 +1,14 @@
-"""The `parity` step: do two backends train models of the same quality? An experiment over seeds.
+"""Step `parity`: do two backends train models of the same quality? An experiment over seeds.
 
-Trains the prepared data of DIR on two backends, once per seed (the same seeds on both: the same
-initial weights and data order, so only the backend's numerics and dropout masks differ), scores
-every model on the same holdout with `validate`, and reports per metric each backend's mean and
-seed-to-seed spread, the difference of means (B - A), and whether it is within the tolerance
-(absolute, default 0.001 = 0.1 points, as `validate`) and within the seed-to-seed spread (the
-pooled sample standard deviation). One seed per backend cannot tell a backend from seed noise.
-
-Reads   DIR/prepared/ (from `prepare`).
-Writes  DIR/parity/<backend>-seed<seed>/ (a train + validate run dir per model; prepared/ is a
-        symlink to DIR/prepared), DIR/parity/report.json.
-
-Each run is the `train` then the `validate` command (in this process; `train` under torchrun with
-`--nproc-per-node` > 1), with the flags users give them. A rerun skips the runs
-that have their validation/metrics.json, so the backends can be trained on different machines
-(`--train` names the ones trained here) and their run dirs copied together; see docs/training.md.
+Trains DIR/prepared/ on two backends with the same seeds, scores each model with `validate`, and
+writes DIR/parity/<backend>-seed<seed>/ per model and DIR/parity/report.json: per metric, each
+backend's mean and spread and whether the difference is within --tolerance and the seed noise.
+A rerun skips finished runs; `--train` trains some backends here, the rest elsewhere. Exits 0 (the
+report is the verdict), 78 for bad flags, or a failed run's exit code. Method, two-machine recipe:
+docs/training.md, "Backend parity over seeds".
 
 Local:     python -m pipeline_steps parity --run-dir runs/parity --preset small --backends cpu,xla --seeds 0,1,2
-Trainium:  python -m pipeline_steps parity --run-dir /fsx/runs/parity --preset small --backends cpu,xla \\
+Trainium:  python -m pipeline_steps parity --run-dir /fsx/runs/parity --preset small --backends cpu,xla
                --train xla --nproc-per-node 32 --seeds 0,1,2
 """
 
@@ -81,6 +72,7 @@ def train_and_score(root: Path, backend: str, seed: int, opts: argparse.Namespac
         log.info("%s: done already", run_dir)
         return metrics_path
     run_dir.mkdir(parents=True, exist_ok=True)
+    # Every run reads the one DIR/prepared/ through a symlink: the same holdout for every model.
     link = run_dir / "prepared"
     if not link.exists():
         link.symlink_to(os.path.relpath(root / "prepared", run_dir))
