@@ -1,20 +1,15 @@
-"""The `run-local` step: the whole pipeline on this machine, the same step CLIs AWS runs.
+"""Step `run-local`: the whole pipeline on this machine, each step its own process as on AWS Batch.
 
     prepare -> sanity (2 gloo processes) -> compile -> train -> validate (+ gate) -> embed
 
-Reads   --data PATH (the upload layout: products/ and pairs/ shards), or generates the bundled
-        demo data for the preset.
-Writes  DIR/ (every step's outputs, see the README's run-directory table) and DIR/report.json:
-        steps[{name, status, seconds, exit_code, command}], validation{metrics, baseline, gate},
-        xla{graphs_compiled, compiles_after_warmup, ...}, train{...}, embeddings{count, path}.
+Input: --data (the upload layout) or the bundled demo data. Multi-rank steps run under torchrun, so
+a step that works here works there. Writes every step's outputs under DIR and DIR/report.json.
+Stops at the first failing step with its exit code (a failed gate stops before embed, as the state
+machine does); exit 78 for a run dir of another preset or backend.
 
-    python -m pipeline_steps run-local --run-dir runs/demo-small-cpu --preset small --backend cpu
-    PJRT_DEVICE=CPU python -m pipeline_steps run-local --run-dir runs/xla --preset tiny --backend xla
-
-Each step runs as its own process, exactly as on AWS Batch (multi-rank steps under torchrun), so
-a step that works here works there. A run dir belongs to one preset and backend (run-local.json):
-another one is refused with exit 78 before any step starts. The chain stops at the first failing step and exits with that
-step's exit code; a failed quality gate stops before embed, as in the state machine.
+Local:  python -m pipeline_steps run-local --run-dir runs/demo-small-cpu --preset small --backend cpu
+XLA:    PJRT_DEVICE=CPU python -m pipeline_steps run-local --run-dir runs/xla --preset tiny --backend xla
+AWS:    the state machine runs the same step commands as Batch jobs (docs/orchestration.md).
 """
 
 from __future__ import annotations
@@ -126,6 +121,9 @@ def _maybe(path: Path) -> Any:
 
 
 def build_report(run_dir: Path, steps: list[StepRun], backend: str, preset: str) -> dict[str, Any]:
+    """DIR/report.json: steps[{name, status, seconds, exit_code, command}], train{...}, validation{metrics,
+    baseline, gate}, embeddings{count, path}, xla{graphs_compiled, compiles_after_warmup, ...} (xla
+    backend); main adds cost and mlflow."""
     metrics = _maybe(run_dir / "validation" / "metrics.json") or {}
     gate = _maybe(run_dir / "validation" / "gate.json") or {}
     train = _maybe(run_dir / "train" / "summary.json") or {}
