@@ -361,12 +361,18 @@ def write_pairs(spilled: SpilledPairs, tokenizer, schema: D.Schema, cfg: DataCon
                 stats.at_max_length += int((pairs.lengths >= cfg.query_length).sum())
                 if side == "train":
                     stats.train_per_bucket.update(product_buckets[pairs.product_index].tolist())
-        for writer in writers.values():
-            writer.close()  # before atomic_path renames the file
-        for side_arrays in arrays.values():
-            for array in side_arrays.values():
-                array.flush()
+        close_pair_outputs(writers, arrays)
     return stats
+
+
+def close_pair_outputs(writers: dict[str, pq.ParquetWriter], arrays: dict[str, dict[str, np.ndarray]]) -> None:
+    """Close the pair Parquet writers (before atomic_path renames their files) and flush the
+    memory-mapped pair columns."""
+    for writer in writers.values():
+        writer.close()
+    for side_arrays in arrays.values():
+        for array in side_arrays.values():
+            array.flush()
 
 
 PAIR_DTYPES = {"token_ids": np.int32, "lengths": np.int32, "product_index": np.int64, "weight": np.float32,

@@ -453,11 +453,7 @@ def assemble_pairs(out: Path, shards: Path, metas: Sequence[dict[str, Any]], sch
                     stats.keys[side].append(part.column("key").to_numpy())
                     if side == "train":
                         stats.train_per_bucket.update(product_buckets[index].tolist())
-        for writer in writers.values():
-            writer.close()  # before atomic_path renames the file
-        for side_arrays in arrays.values():
-            for array in side_arrays.values():
-                array.flush()
+        P.close_pair_outputs(writers, arrays)
     return stats
 
 
