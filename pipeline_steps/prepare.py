@@ -520,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     preset = get_preset(args.preset)
     report = prepare(args, preset)
     # ---- tracking: this step as a child run of the pipeline's MLflow run (never fails the step).
-    # After prepare() returned, so its data is freed before tracking imports torch (~0.8 GB RSS).
+    # After prepare() returned, so its data is freed before tracking imports mlflow.
     tracking.log_step("prepare", args.run_dir, params={"preset": preset.name, "seed": args.seed},
                       metrics=tracking.flatten(report), config={"data": report["data_config"]})
     return 0
