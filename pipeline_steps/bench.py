@@ -474,22 +474,40 @@ PREPARE_RECORDS = 1_000_000
 """Records (1 product : 4 pairs) of the generated JSON Lines dataset `prepare` is measured on."""
 
 
-def _run_measured(command: list[str]) -> tuple[float, float, int]:
-    """(wall s, CPU s, peak RSS bytes) of one child process (os.wait4: its own rusage only)."""
+_MEASURED_STEP = ("import sys\n"
+                  "from pipeline_steps.__main__ import main\n"
+                  "code = main(sys.argv[1:])\n"
+                  "print(next(l for l in open('/proc/self/status') if l.startswith('VmHWM:')), flush=True)\n"
+                  "sys.exit(code)")
+"""Runs `python -m pipeline_steps ARGS` and prints the process's own peak RSS (VmHWM, in kB) last."""
+
+
+def _run_measured(step_args: list[str]) -> tuple[float, float, int]:
+    """(wall s, CPU s, peak RSS bytes) of `python -m pipeline_steps STEP_ARGS` in a child process.
+
+    The peak is the child's own VmHWM (/proc/self/status, read by the child as it finishes). The
+    rusage wait4 returns is no good for it: Linux carries a parent's peak RSS into a child it forks
+    or vforks (exec records the old address space's high-water mark in ru_maxrss), so a child of
+    this 2 GB process would report at least 2 GB. CPU seconds are the growth of RUSAGE_CHILDREN
+    (CPU time is not carried over; this child is the only one that ends in between)."""
+    import resource
     import subprocess
+    import sys
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
                                                                       os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-c", _MEASURED_STEP, *step_args]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    stderr = proc.stderr.read()  # drained before waiting: a full pipe would block the child
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    proc.stderr.close()
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    stdout, stderr = proc.communicate()  # both pipes drained: a full pipe would block the child
     wall = time.perf_counter() - started
     if proc.returncode:
-        raise RuntimeError(f"{' '.join(command)} exited {proc.returncode}: {stderr.decode(errors='replace')[-2000:]}")
-    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024  # ru_maxrss is in KiB on Linux
+        raise RuntimeError(f"{' '.join(step_args)} exited {proc.returncode}: {stderr.decode(errors='replace')[-2000:]}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    hwm_kib = int(stdout.decode().strip().splitlines()[-1].split()[1])
+    return wall, cpu, hwm_kib * 1024
 
 
 def _write_jsonl_upload(out: Path, num_records: int) -> int:
@@ -511,13 +529,10 @@ def _write_jsonl_upload(out: Path, num_records: int) -> int:
 def bench_prepare(work: Path, num_records: int, preset: str) -> dict[str, Any]:
     """`prepare` of a generated JSON Lines upload in its own process: records/s and peak RSS; then
     the RSS one training rank holds after loading that prepared data and its batches."""
-    import sys
-
     upload_dir = work / "prepare-upload"
     records = _write_jsonl_upload(upload_dir, num_records)
     run_dir = work / "prepare-run"
-    wall, cpu, rss = _run_measured([sys.executable, "-m", "pipeline_steps", "prepare", "--run-dir", str(run_dir),
-                                    "--data", str(upload_dir), "--preset", preset])
+    wall, cpu, rss = _run_measured(["prepare", "--run-dir", str(run_dir), "--data", str(upload_dir), "--preset", preset])
     return {"records": records, "preset": preset, "wall_s": wall, "cpu_s": cpu,
             "prepare_records_per_s": records / wall, "prepare_records_per_cpu_s": records / cpu,
             "prepare_peak_rss_mb": rss / 2**20, "train_data_rss_mb_per_rank": _rank_data_rss(run_dir) / 2**20}
