@@ -184,10 +184,49 @@ def _parsed(source: str, line_no: int, data: bytes, value: Any) -> RawRecord:
     return RawRecord(source, line_no, value, data)
 
 
-def _iter_jsonl(path: Path) -> Iterator[RawRecord]:
+READ_BATCH_ROWS = 8192
+"""Records parsed (JSON Lines) or decoded (Parquet) at a time, then validated together."""
+
+
+@dataclass
+class RecordBatch:
+    """Up to READ_BATCH_ROWS consecutive records of one input file."""
+
+    source: str
+    lines: list[int]
+    """1-based line (JSON Lines) or row (Parquet) number of each record in `source`."""
+    values: list[Any] | None
+    """Parsed records (JSON Lines; None where the line failed, see `failed`); None for Parquet,
+    whose rows stay in `table` until a record is needed one by one."""
+    raws: list[bytes] | None = None
+    """The lines as read (JSON Lines only)."""
+    failed: dict[int, RawRecord] = field(default_factory=dict)
+    """Index -> the RawRecord (with its reason) of each line that did not parse to an object."""
+    table: pa.RecordBatch | None = None
+
+    def __len__(self) -> int:
+        return len(self.lines)
+
+    def rows(self, indices: Sequence[int]) -> list[Any]:
+        """The parsed records at `indices` (Parquet rows become dicts here)."""
+        if self.values is not None:
+            return [self.values[i] for i in indices]
+        return self.table.take(pa.array(indices, pa.int64())).to_pylist() if len(indices) else []
+
+    def raw_record(self, i: int, value: Any = None) -> RawRecord:
+        """Record `i` as a RawRecord (`value`: its parsed form when the caller already has it)."""
+        if i in self.failed:
+            return self.failed[i]
+        if self.values is not None:
+            return RawRecord(self.source, self.lines[i], self.values[i], self.raws[i])
+        return RawRecord(self.source, self.lines[i], value if value is not None else self.rows([i])[0])
+
+
+def _jsonl_batches(path: Path, batch_rows: int) -> Iterator[RecordBatch]:
     source = str(path)
     if path.stat().st_size == 0:
         log.warning("input file %s is empty (0 bytes): it adds no records", path)
+    batch = RecordBatch(source, [], [], [])
     # Binary mode and a per-line parse: one bad byte quarantines one line, not the whole file.
     with open(path, "rb") as fh:
         for line_no, data in enumerate(fh, start=1):
@@ -199,12 +238,23 @@ def _iter_jsonl(path: Path) -> Iterator[RawRecord]:
             try:
                 value = orjson.loads(data)  # validates UTF-8 and rejects lone surrogates itself
             except orjson.JSONDecodeError as exc:
-                yield _quarantined_line(source, line_no, data, exc)
-                continue
-            yield _parsed(source, line_no, data, value)
+                value = _quarantined_line(source, line_no, data, exc)
+            if type(value) is not dict:
+                record = value if isinstance(value, RawRecord) else _parsed(source, line_no, data, value)
+                if record.reason:
+                    batch.failed[len(batch.lines)] = record
+                value = record.value
+            batch.lines.append(line_no)
+            batch.values.append(value)
+            batch.raws.append(data)
+            if len(batch.lines) == batch_rows:
+                yield batch
+                batch = RecordBatch(source, [], [], [])
+    if batch.lines:
+        yield batch
 
 
-def _iter_parquet(path: Path) -> Iterator[RawRecord]:
+def _parquet_batches(path: Path, batch_rows: int) -> Iterator[RecordBatch]:
     source = str(path)
     try:
         parquet = pq.ParquetFile(path)
@@ -213,20 +263,31 @@ def _iter_parquet(path: Path) -> Iterator[RawRecord]:
                             f"(a truncated upload is the usual cause)") from None
     row = 0
     try:
-        for batch in parquet.iter_batches(batch_size=8192):
-            for value in batch.to_pylist():
-                row += 1
-                yield RawRecord(source, row, value)
+        for table in parquet.iter_batches(batch_size=batch_rows):
+            table.validate(full=True)  # invalid UTF-8 in a string column fails here, with the row range
+            yield RecordBatch(source, list(range(row + 1, row + 1 + table.num_rows)), None, table=table)
+            row += table.num_rows
     except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:
         # Parquet stores rows in compressed column chunks: a damaged chunk loses rows we cannot name.
         raise BadInputError(f"cannot read Parquet file {path} after row {row}: {exc}; re-export or re-upload "
                             f"the shard") from None
 
 
+def iter_batches(files: Iterable[Path], batch_rows: int = READ_BATCH_ROWS) -> Iterator[RecordBatch]:
+    """Every non-blank line / row of `files`, in order, in batches of at most `batch_rows` per file."""
+    for path in files:
+        if input_format(path) == "parquet":
+            yield from _parquet_batches(path, batch_rows)
+        else:
+            yield from _jsonl_batches(path, batch_rows)
+
+
 def iter_records(files: Iterable[Path]) -> Iterator[RawRecord]:
     """Every non-blank line / row of `files`, in order, parsed where possible."""
-    for path in files:
-        yield from (_iter_parquet(path) if input_format(path) == "parquet" else _iter_jsonl(path))
+    for batch in iter_batches(files):
+        values = batch.rows(range(len(batch)))
+        for i, value in enumerate(values):
+            yield batch.raw_record(i, value)
 
 
 # ---------------------------------------------------------------------------------------------

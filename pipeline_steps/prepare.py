@@ -37,13 +37,13 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator, Sequence
+from typing import IO, Any, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import data as D
+from . import batch_validation as V, data as D
 from .config import DataConfig, get_preset, to_dict
 from .errors import BadConfigError, BadInputError, StepError
 from . import tracking, upload
@@ -130,20 +130,11 @@ def _input_checksums(files: Sequence[Path]) -> list[dict[str, Any]]:
     return [{"path": str(f), "bytes": f.stat().st_size, "sha256": sha256_file(f)} for f in files]
 
 
-def _validated(kind: str, files: Sequence[Path], validate: Callable[..., Any], cfg: DataConfig,
-               quarantine: Quarantine) -> Iterator[tuple[D.RawRecord, Any]]:
-    """(raw, record) for every record read; record is None when it went to the quarantine
-    (unparseable, or rejected by `validate` with its reason)."""
-    for raw in D.iter_records(files):
-        record = None
-        if raw.reason:
-            quarantine.add(kind, raw.source, raw.line, raw.reason, raw.detail or "", raw.raw_text())
-        else:
-            try:
-                record = validate(raw.value, cfg.max_text_chars, raw.source, raw.line)
-            except D.RecordError as exc:
-                quarantine.add(kind, raw.source, raw.line, exc.reason, exc.detail, raw.raw_text())
-        yield raw, record
+def _quarantine_batch(kind: str, batch: D.RecordBatch, rejected: list[V.Rejected], quarantine: Quarantine) -> None:
+    """Add the rejected records of `batch` to the quarantine, in input order."""
+    for r in sorted(rejected, key=lambda r: r.index):
+        quarantine.add(kind, batch.source, batch.lines[r.index], r.reason, r.detail,
+                       batch.raw_record(r.index).raw_text())
 
 
 def read_products(files: Sequence[Path], cfg: DataConfig, quarantine: Quarantine) -> tuple[list[D.ProductRecord], int]:
@@ -151,16 +142,17 @@ def read_products(files: Sequence[Path], cfg: DataConfig, quarantine: Quarantine
     products: list[D.ProductRecord] = []
     first_seen: dict[str, str] = {}
     num_read = 0
-    for raw, product in _validated("products", files, D.validate_product, cfg, quarantine):
-        num_read += 1
-        if product is None:
-            continue
-        if product.id in first_seen:
-            quarantine.add("products", raw.source, raw.line, "duplicate product id",
-                           f"id {product.id!r} already defined at {first_seen[product.id]}", raw.raw_text())
-            continue
-        first_seen[product.id] = f"{raw.source}:{raw.line}"
-        products.append(product)
+    for batch in D.iter_batches(files):
+        num_read += len(batch)
+        valid, rejected = V.validate_products(batch, cfg.max_text_chars)
+        for i, product in valid:
+            if product.id in first_seen:
+                rejected.append(V.Rejected(i, "duplicate product id",
+                                           f"id {product.id!r} already defined at {first_seen[product.id]}"))
+                continue
+            first_seen[product.id] = f"{batch.source}:{batch.lines[i]}"
+            products.append(product)
+        _quarantine_batch("products", batch, rejected, quarantine)
     return products, num_read
 
 
@@ -184,22 +176,24 @@ def iter_pair_chunks(files: Sequence[Path], cfg: DataConfig, product_row: dict[s
     rows: list[int] = []
     weights: list[float] = []
     labels: list[str | None] = []
-    for raw, pair in _validated("pairs", files, D.validate_pair, cfg, quarantine):
-        num_read["pairs"] += 1
-        if pair is None:
-            continue
-        row = product_row.get(pair.product_id)
-        if row is None:
-            quarantine.add("pairs", raw.source, raw.line, "unknown product_id",
-                           f"product {pair.product_id!r} is not in the catalog (or was quarantined)", raw.raw_text())
-            continue
-        queries.append(pair.query)
-        rows.append(row)
-        weights.append(pair.weight)
-        labels.append(pair.label)
-        if len(queries) == chunk_size:
-            yield PairChunk(queries, np.array(rows, np.int64), np.array(weights, np.float32), labels)
-            queries, rows, weights, labels = [], [], [], []
+    for batch in D.iter_batches(files):
+        num_read["pairs"] += len(batch)
+        valid, rejected = V.validate_pairs(batch, cfg.max_text_chars)
+        found = [product_row.get(product_id) for product_id in valid.product_ids]
+        for k, row in enumerate(found):
+            if row is None:
+                rejected.append(V.Rejected(valid.index[k], "unknown product_id", f"product {valid.product_ids[k]!r} "
+                                           f"is not in the catalog (or was quarantined)"))
+                continue
+            queries.append(valid.queries[k])
+            rows.append(row)
+            weights.append(valid.weights[k])
+            labels.append(valid.labels[k])
+        _quarantine_batch("pairs", batch, rejected, quarantine)
+        while len(queries) >= chunk_size:
+            yield PairChunk(queries[:chunk_size], np.array(rows[:chunk_size], np.int64),
+                            np.array(weights[:chunk_size], np.float32), labels[:chunk_size])
+            del queries[:chunk_size], rows[:chunk_size], weights[:chunk_size], labels[:chunk_size]
     if queries:
         yield PairChunk(queries, np.array(rows, np.int64), np.array(weights, np.float32), labels)
 
