@@ -12,7 +12,7 @@ whose name starts with "products" (e.g. DIR/products/part-*.jsonl) and with "pai
 
 Prepared data (what `prepare` writes under RUN_DIR/prepared/ and `load_prepared` reads):
     tokenizer.json, schema.json, products.parquet, train_pairs.parquet, holdout_pairs.parquet,
-    <side>_pairs.<column>.npy (the pair columns training memory-maps), quarantine.jsonl,
+    products.<column>.npy and <side>_pairs.<column>.npy (the columns training memory-maps), quarantine.jsonl,
     prepare.json (written last: its status "ok" marks a complete set).
 
 Batches: `TrainBatches` (training: bucketed, static shapes, sharded per rank, seeded order) and
@@ -520,29 +520,70 @@ ENCODE_CHUNK = 8192
 ~100x the int32 row they become, so encoding a whole catalog at once peaks at gigabytes."""
 
 
+ENCODE_CACHE_TEXTS = 1 << 18
+"""Distinct texts a TextEncoder remembers (their rows: 32 MB at 32 tokens). Queries repeat
+across the chunks of a click log: each is encoded once, not once per chunk."""
+
+
+class TextEncoder:
+    """`encode_texts` that remembers the rows of up to `capacity` texts across calls (the first
+    ones seen; a text's row does not depend on the call, so the result is the same)."""
+
+    def __init__(self, tokenizer: Tokenizer, max_length: int, capacity: int = ENCODE_CACHE_TEXTS):
+        # A private copy: truncation is tokenizer state and the caller's object stays untouched.
+        self._tok = Tokenizer.from_str(tokenizer.to_str())
+        self._tok.enable_truncation(max_length=max_length)
+        self._tok.no_padding()  # padding here is cheaper than turning 0s into Python ints and back
+        self.max_length, self.capacity = max_length, capacity
+        self._row: dict[str, int] = {}
+        self._ids = np.zeros((0, max_length), dtype=np.int32)
+        self._lengths = np.zeros(0, dtype=np.int32)
+
+    def __call__(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(token_ids int32 [n, max_length], lengths int32 [n] = real tokens incl. specials)."""
+        # Each distinct text is encoded once: queries repeat across the pairs of a click log.
+        first: dict[str, int] = {}
+        inverse = np.fromiter((first.setdefault(t, len(first)) for t in texts), dtype=np.int64, count=len(texts))
+        distinct = list(first)
+        known = np.fromiter((self._row.get(t, -1) for t in distinct), dtype=np.int64, count=len(distinct))
+        missing = np.flatnonzero(known < 0)
+        new_ids, new_lengths = self._encode([distinct[i] for i in missing])
+        ids = np.empty((len(distinct), self.max_length), dtype=np.int32)
+        lengths = np.empty(len(distinct), dtype=np.int32)
+        cached = np.flatnonzero(known >= 0)
+        ids[cached], lengths[cached] = self._ids[known[cached]], self._lengths[known[cached]]
+        ids[missing], lengths[missing] = new_ids, new_lengths
+        self._remember([distinct[i] for i in missing], new_ids, new_lengths)
+        return ids[inverse], lengths[inverse]
+
+    def _remember(self, texts: list[str], ids: np.ndarray, lengths: np.ndarray) -> None:
+        room = min(len(texts), self.capacity - len(self._row))
+        if room <= 0:
+            return
+        start = len(self._row)
+        self._row.update(zip(texts[:room], range(start, start + room)))
+        self._ids = np.concatenate([self._ids, ids[:room]])
+        self._lengths = np.concatenate([self._lengths, lengths[:room]])
+
+    def _encode(self, distinct: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        ids = np.zeros((len(distinct), self.max_length), dtype=np.int32)
+        lengths = np.zeros(len(distinct), dtype=np.int32)
+        for start in range(0, len(distinct), ENCODE_CHUNK):
+            encodings = self._tok.encode_batch_fast(distinct[start:start + ENCODE_CHUNK])  # no character offsets
+            chunk_lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int32, count=len(encodings))
+            flat = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), dtype=np.int32,
+                               count=int(chunk_lengths.sum()))
+            rows = np.repeat(np.arange(start, start + len(encodings)), chunk_lengths)
+            cols = np.arange(len(flat)) - np.repeat(np.cumsum(chunk_lengths) - chunk_lengths, chunk_lengths)
+            ids[rows, cols] = flat
+            lengths[start:start + len(encodings)] = chunk_lengths
+        return ids, lengths
+
+
 def encode_texts(tokenizer: Tokenizer, texts: Sequence[str], max_length: int) -> tuple[np.ndarray, np.ndarray]:
     """Encode `texts` as [CLS] ... [SEP], truncated (keeping [SEP]) and padded with 0 to `max_length`.
     Returns (token_ids int32 [n, max_length], lengths int32 [n] = real tokens incl. specials)."""
-    # A private copy: truncation is tokenizer state and the caller's object stays untouched.
-    tok = Tokenizer.from_str(tokenizer.to_str())
-    tok.enable_truncation(max_length=max_length)
-    tok.no_padding()  # padding here is cheaper than turning 0s into Python ints and back
-    # Each distinct text is encoded once: queries repeat across the pairs of a click log.
-    first: dict[str, int] = {}
-    inverse = np.fromiter((first.setdefault(t, len(first)) for t in texts), dtype=np.int64, count=len(texts))
-    distinct = list(first)
-    ids = np.zeros((len(distinct), max_length), dtype=np.int32)
-    lengths = np.zeros(len(distinct), dtype=np.int32)
-    for start in range(0, len(distinct), ENCODE_CHUNK):
-        encodings = tok.encode_batch_fast(distinct[start:start + ENCODE_CHUNK])  # no character offsets
-        chunk_lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int32, count=len(encodings))
-        flat = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), dtype=np.int32,
-                           count=int(chunk_lengths.sum()))
-        rows = np.repeat(np.arange(start, start + len(encodings)), chunk_lengths)
-        cols = np.arange(len(flat)) - np.repeat(np.cumsum(chunk_lengths) - chunk_lengths, chunk_lengths)
-        ids[rows, cols] = flat
-        lengths[start:start + len(encodings)] = chunk_lengths
-    return ids[inverse], lengths[inverse]
+    return TextEncoder(tokenizer, max_length, capacity=0)(texts)
 
 
 def normalise_query(text: str) -> str:
@@ -743,9 +784,19 @@ def pair_array_path(prepared: Path, side: str, name: str) -> Path:
     return prepared / f"{side}_pairs.{name}.npy"
 
 
+PRODUCT_ARRAYS = {"token_ids": np.int32, "lengths": np.int32, "numeric": np.float32, "categorical": np.int64,
+                  "class_id": np.int64}
+"""The catalog columns training reads (with their stored dtypes); `save_products` also stores each
+as RUN_DIR/prepared/products.<name>.npy, memory-mapped by every rank like the pair columns."""
+
+
+def product_array_path(prepared: Path, name: str) -> Path:
+    return prepared / f"products.{name}.npy"
+
+
 class ParquetStrings(Sequence[str]):
-    """A string column of a Parquet file, read on first use: training never reads the query
-    texts, so its ranks never hold them."""
+    """A string column of a Parquet file, read on first use: training never reads the query or
+    product texts, so its ranks never hold them."""
 
     def __init__(self, path: Path, column: str):
         self._path, self._column = path, column
@@ -810,6 +861,9 @@ def save_products(path: str | Path, products: Products) -> None:
     })
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
+    for name, dtype in PRODUCT_ARRAYS.items():
+        with atomic_path(product_array_path(Path(path).parent, name)) as tmp, open(tmp, "wb") as fh:
+            np.save(fh, getattr(products, name).astype(dtype, copy=False))
 
 
 PAIRS_SCHEMA = pa.schema([("query", pa.string()), ("product_id", pa.string()), ("product_index", pa.int64()),
@@ -883,6 +937,24 @@ def _load_pairs(prepared: Path, side: str, data_cfg: DataConfig) -> Pairs:
     return Pairs(queries=ParquetStrings(parquet, "query"), **arrays)
 
 
+def _load_products(prepared: Path, data_cfg: DataConfig, schema: Schema) -> Products:
+    """The catalog: its arrays memory-mapped from the .npy files when prepare wrote them (the ranks
+    of a node share one copy in the page cache), its strings read from Parquet on first use."""
+    parquet = prepared / "products.parquet"
+    paths = {name: product_array_path(prepared, name) for name in PRODUCT_ARRAYS}
+    if not all(path.is_file() for path in paths.values()):
+        return read_products(parquet, data_cfg, schema)
+    arrays = {name: np.load(path, mmap_mode="r") for name, path in paths.items()}
+    widths = {"token_ids": max(data_cfg.length_buckets), "numeric": len(schema.numeric_names),
+              "categorical": len(schema.categorical_names)}
+    if len({a.shape[0] for a in arrays.values()}) != 1 or any(
+            arrays[name].shape[1:] != (width,) for name, width in widths.items()):
+        raise BadInputError(f"the product arrays in {prepared} do not match each other, the schema or the data "
+                            f"config; rerun prepare")
+    return Products(ids=ParquetStrings(parquet, "id"), titles=ParquetStrings(parquet, "title"),
+                    texts=ParquetStrings(parquet, "text"), **arrays)
+
+
 def load_prepared(run_dir: str | Path) -> PreparedData:
     """Everything `prepare` wrote for `run_dir`; BadInputError with the command to run if it hasn't."""
     prepared = Path(run_dir) / PREPARED
@@ -897,9 +969,8 @@ def load_prepared(run_dir: str | Path) -> PreparedData:
                             f"fix the input (see {prepared / 'quarantine.jsonl'}) and rerun prepare")
     data_cfg = from_dict(DataConfig, report["data_config"])
     schema = Schema.load(prepared / "schema.json")
-    products = read_products(prepared / "products.parquet", data_cfg, schema)
     return PreparedData(
-        products=products,
+        products=_load_products(prepared, data_cfg, schema),
         train=_load_pairs(prepared, "train", data_cfg),
         holdout=_load_pairs(prepared, "holdout", data_cfg),
         schema=schema,

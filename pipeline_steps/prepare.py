@@ -9,7 +9,8 @@ With `--init-from RUN_DIR_OR_CHECKPOINT`: the previous run's tokenizer and schem
 Writes RUN_DIR/prepared/ (each file atomically; prepare.json last, its status "ok" marks a
 complete set, and it is removed first so a crash never leaves an old "ok" beside new files):
     tokenizer.json, schema.json, products.parquet, train_pairs.parquet, holdout_pairs.parquet,
-    <side>_pairs.<column>.npy (the pair columns, memory-mapped by every training rank),
+    products.<column>.npy, <side>_pairs.<column>.npy (the catalog and pair columns, memory-mapped
+    by every training rank),
     quarantine.jsonl  {"kind", "source", "line", "reason", "detail", "record"} per bad record,
     prepare.json      counts per reason, fractions, input checksums, seed, data config.
 
@@ -328,6 +329,7 @@ def write_pairs(spilled: SpilledPairs, tokenizer, schema: D.Schema, cfg: DataCon
     product_ids = pa.array(products.ids, pa.string())
     product_buckets = D.bucket_index(products.lengths, cfg.length_buckets)
     num_rows = {"train": spilled.num_train, "holdout": spilled.num_valid - spilled.num_train}
+    encoder = D.TextEncoder(tokenizer, cfg.query_length)
     with contextlib.ExitStack() as stack:
         writers = {side: stack.enter_context(pq.ParquetWriter(stack.enter_context(atomic_path(out / f"{side}_pairs.parquet")),
                                                               D.PAIRS_SCHEMA))
@@ -341,7 +343,7 @@ def write_pairs(spilled: SpilledPairs, tokenizer, schema: D.Schema, cfg: DataCon
                 if not len(rows):
                     continue
                 part = table.take(rows)
-                pairs = _tokenised_pairs(part, tokenizer, schema, cfg, products.class_id)
+                pairs = _tokenised_pairs(part, encoder, schema, products.class_id)
                 writers[side].write_table(D.pairs_table(part.column("query"), product_ids.take(pairs.product_index), pairs))
                 start = stats.num[side]
                 for name, array in arrays[side].items():
@@ -373,9 +375,8 @@ def _pair_arrays(stack: contextlib.ExitStack, out: Path, side: str, rows: int, q
     return arrays
 
 
-def _tokenised_pairs(part: pa.Table, tokenizer, schema: D.Schema, cfg: DataConfig,
-                     product_class: np.ndarray) -> D.Pairs:
-    token_ids, lengths = D.encode_texts(tokenizer, part.column("query").to_pylist(), cfg.query_length)
+def _tokenised_pairs(part: pa.Table, encoder: D.TextEncoder, schema: D.Schema, product_class: np.ndarray) -> D.Pairs:
+    token_ids, lengths = encoder(part.column("query").to_pylist())
     product_index = part.column("product_index").to_numpy()
     # A pair's own label wins; otherwise the class is its product's category.
     labels = part.column("label").to_pylist()
@@ -490,6 +491,7 @@ def write_outputs(out: Path, tokenizer_bytes: bytes, schema: D.Schema, products:
 
 
 OUTPUT_NAMES = ("tokenizer.json", "schema.json", "products.parquet", "train_pairs.parquet", "holdout_pairs.parquet",
+                *(D.product_array_path(Path(), name).name for name in D.PRODUCT_ARRAYS),
                 *(D.pair_array_path(Path(), side, name).name for side in ("train", "holdout") for name in D.PAIR_ARRAYS))
 
 
