@@ -9,6 +9,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pipeline_steps import batch_validation as V
 from pipeline_steps import data as D
@@ -60,7 +62,7 @@ def _interleave(good: list[dict], bad: list[dict]) -> list[dict]:
     return out
 
 
-def _reference(kind: str, files: list[Path]) -> tuple[list, list]:
+def _reference(kind: str, files: list[Path], max_chars: int = MAX_CHARS) -> tuple[list, list]:
     """The per-record path: data.iter_records + data.validate_product / validate_pair."""
     validate = D.validate_product if kind == "products" else D.validate_pair
     kept, rejected = [], []
@@ -69,7 +71,7 @@ def _reference(kind: str, files: list[Path]) -> tuple[list, list]:
             rejected.append((raw.source, raw.line, raw.reason, raw.detail or "", raw.raw_text()))
             continue
         try:
-            record = validate(raw.value, MAX_CHARS, raw.source, raw.line)
+            record = validate(raw.value, max_chars, raw.source, raw.line)
         except D.RecordError as exc:
             rejected.append((raw.source, raw.line, exc.reason, exc.detail, raw.raw_text()))
         else:
@@ -78,14 +80,14 @@ def _reference(kind: str, files: list[Path]) -> tuple[list, list]:
     return kept, rejected
 
 
-def _batched(kind: str, files: list[Path], batch_rows: int) -> tuple[list, list]:
+def _batched(kind: str, files: list[Path], batch_rows: int, max_chars: int = MAX_CHARS) -> tuple[list, list]:
     kept, rejected = [], []
     for batch in D.iter_batches(files, batch_rows):
         if kind == "products":
-            valid, bad = V.validate_products(batch, MAX_CHARS)
+            valid, bad = V.validate_products(batch, max_chars)
             kept += [product for _, product in valid]
         else:
-            pairs, bad = V.validate_pairs(batch, MAX_CHARS)
+            pairs, bad = V.validate_pairs(batch, max_chars)
             kept += [(batch.lines[i], q, p, w, lbl) for i, q, p, w, lbl in
                      zip(pairs.index, pairs.queries, pairs.product_ids, pairs.weights, pairs.labels)]
         assert [r.index for r in bad] == sorted(r.index for r in bad)
@@ -177,3 +179,50 @@ def test_prepare_of_a_dirty_parquet_upload_equals_the_per_record_path(tmp_path, 
     for name in ("quarantine.jsonl", "products.parquet", "train_pairs.parquet", "holdout_pairs.parquet",
                  "schema.json", "tokenizer.json"):
         assert (fast / name).read_bytes() == (slow / name).read_bytes(), name
+
+
+# Any UTF-8 text (Parquet cannot hold lone surrogates), whitespace of every kind, a few lengths
+# around the limit of 4 characters the property uses.
+texts = st.none() | st.text(st.characters(codec="utf-8"), max_size=6) | st.sampled_from(["", " ", "\u3000", "abcd"])
+floats = st.none() | st.floats(allow_nan=True, allow_infinity=True)
+pair_rows = st.lists(st.fixed_dictionaries({"query": texts, "product_id": texts},
+                                           optional={"weight": floats, "label": texts}), min_size=1, max_size=12)
+product_rows = st.lists(st.fixed_dictionaries(
+    {"id": texts, "title": texts},
+    optional={"description": texts, "category": texts,
+              "numeric": st.none() | st.fixed_dictionaries({"price": floats}, optional={"": floats}),
+              "categorical": st.none() | st.fixed_dictionaries({"brand": texts})}),
+    min_size=1, max_size=12)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(st.sampled_from(["products", "pairs"]).flatmap(
+    lambda kind: st.tuples(st.just(kind), product_rows if kind == "products" else pair_rows)))
+def test_any_parquet_batch_validates_exactly_like_the_per_record_validators(tmp_path, case):
+    kind, records = case
+    files = _parquet(tmp_path / f"{kind}.parquet", records)
+    assert _batched(kind, files, 5, max_chars=4) == _reference(kind, files, max_chars=4)
+
+
+# JSON Lines hold any JSON value in any field.
+json_values = texts | floats | st.integers(min_value=-10**30, max_value=10**30) | st.booleans() \
+    | st.text(st.characters(codec=None, exclude_categories=()), max_size=4)
+json_pairs = st.lists(st.fixed_dictionaries({"query": texts, "product_id": texts},
+                                            optional={"weight": json_values, "label": json_values}), max_size=12)
+json_products = st.lists(st.fixed_dictionaries(
+    {"id": texts, "title": texts},
+    optional={"description": json_values, "category": json_values,
+              "numeric": st.none() | st.dictionaries(st.sampled_from(["price", ""]), json_values, max_size=2),
+              "categorical": st.none() | st.dictionaries(st.sampled_from(["brand", ""]), json_values, max_size=2)}),
+    max_size=12)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(st.sampled_from(["products", "pairs"]).flatmap(
+    lambda kind: st.tuples(st.just(kind), json_products if kind == "products" else json_pairs)))
+def test_any_json_lines_batch_validates_exactly_like_the_per_record_validators(tmp_path, case):
+    kind, records = case
+    files = _jsonl(tmp_path / f"{kind}.jsonl", records)
+    assert _batched(kind, files, 5, max_chars=4) == _reference(kind, files, max_chars=4)
