@@ -14,8 +14,11 @@ def test_bench_prepare_measures_a_prepare_process_and_a_rank(tmp_path):
     result = bench_prepare(tmp_path, 2_000, "tiny")
     assert result["records"] >= 2_000
     for key in ("prepare_records_per_s", "prepare_records_per_cpu_s", "prepare_peak_rss_mb",
-                "train_data_rss_mb_per_rank"):
+                "train_data_rss_mb_per_rank", "train_data_node_rss_growth"):
         assert isinstance(result[key], float) and math.isfinite(result[key]) and result[key] > 0, key
+    # Measured with 1 and with 2 training ranks, each in its own process under torchrun.
+    assert [r["ranks"] for r in result["train_data_rss_by_ranks"]] == [1, 2]
+    assert all(r["node_mb"] >= r["private_mb"] * r["ranks"] for r in result["train_data_rss_by_ranks"])
     assert (tmp_path / "prepare-run" / "prepared" / "prepare.json").is_file()
 
 
