@@ -47,6 +47,11 @@ class ValidPairs:
     weights: list[float] = field(default_factory=list)
     labels: list[str | None] = field(default_factory=list)
 
+    def subset(self, keep: list[int]) -> ValidPairs:
+        """The pairs at positions `keep` of this batch's valid pairs."""
+        return ValidPairs(*([values[k] for k in keep] for values in (self.index, self.queries, self.product_ids,
+                                                                     self.weights, self.labels)))
+
     def add(self, i: int, pair: D.PairRecord) -> None:
         self.index.append(i)
         self.queries.append(pair.query)

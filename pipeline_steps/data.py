@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 import numpy as np
 import orjson
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
@@ -520,6 +521,16 @@ ENCODE_CHUNK = 8192
 ~100x the int32 row they become, so encoding a whole catalog at once peaks at gigabytes."""
 
 
+def distinct_texts(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> tuple[list[str], np.ndarray]:
+    """(the distinct texts in order of first appearance, int64 [n]: each text's index in them),
+    by Arrow's hash table instead of a Python dict."""
+    array = texts if isinstance(texts, (pa.Array, pa.ChunkedArray)) else pa.array(texts, pa.string())
+    if isinstance(array, pa.ChunkedArray):
+        array = array.combine_chunks()
+    encoded = pc.dictionary_encode(array)
+    return encoded.dictionary.to_pylist(), encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+
+
 ENCODE_CACHE_TEXTS = 1 << 18
 """Distinct texts a TextEncoder remembers (their rows: 32 MB at 32 tokens). Queries repeat
 across the chunks of a click log: each is encoded once, not once per chunk."""
@@ -539,12 +550,10 @@ class TextEncoder:
         self._ids = np.zeros((0, max_length), dtype=np.int32)
         self._lengths = np.zeros(0, dtype=np.int32)
 
-    def __call__(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    def __call__(self, texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
         """(token_ids int32 [n, max_length], lengths int32 [n] = real tokens incl. specials)."""
         # Each distinct text is encoded once: queries repeat across the pairs of a click log.
-        first: dict[str, int] = {}
-        inverse = np.fromiter((first.setdefault(t, len(first)) for t in texts), dtype=np.int64, count=len(texts))
-        distinct = list(first)
+        distinct, inverse = distinct_texts(texts)
         known = np.fromiter((self._row.get(t, -1) for t in distinct), dtype=np.int64, count=len(distinct))
         missing = np.flatnonzero(known < 0)
         new_ids, new_lengths = self._encode([distinct[i] for i in missing])
@@ -599,16 +608,12 @@ def normalise_query(text: str) -> str:
 def query_keys(queries: Sequence[str], seed: int) -> np.ndarray:
     """uint64 [n]: a hash of (seed, normalised query): equal for the same query, whatever its case,
     accents or spacing. It decides the holdout split and counts distinct queries."""
-    out = np.zeros(len(queries), dtype=np.uint64)
-    cache: dict[str, int] = {}  # a query repeats across many pairs (clicks, purchases)
+    distinct, inverse = distinct_texts(queries)  # a query repeats across many pairs (clicks, purchases)
     prefix = f"{seed}\x00"
-    for i, q in enumerate(queries):
-        key = cache.get(q)
-        if key is None:
-            digest = hashlib.blake2b((prefix + normalise_query(q)).encode("utf-8"), digest_size=8).digest()
-            key = cache[q] = int.from_bytes(digest, "big")
-        out[i] = key
-    return out
+    keys = np.fromiter((int.from_bytes(hashlib.blake2b((prefix + normalise_query(q)).encode("utf-8"),
+                                                       digest_size=8).digest(), "big") for q in distinct),
+                       dtype=np.uint64, count=len(distinct))
+    return keys[inverse]
 
 
 def holdout_threshold(fraction: float) -> np.uint64:

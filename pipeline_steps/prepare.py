@@ -181,15 +181,16 @@ def iter_pair_chunks(files: Sequence[Path], cfg: DataConfig, product_row: dict[s
         num_read["pairs"] += len(batch)
         valid, rejected = V.validate_pairs(batch, cfg.max_text_chars)
         found = [product_row.get(product_id) for product_id in valid.product_ids]
-        for k, row in enumerate(found):
-            if row is None:
-                rejected.append(V.Rejected(valid.index[k], "unknown product_id", f"product {valid.product_ids[k]!r} "
-                                           f"is not in the catalog (or was quarantined)"))
-                continue
-            queries.append(valid.queries[k])
-            rows.append(row)
-            weights.append(valid.weights[k])
-            labels.append(valid.labels[k])
+        known = [k for k, row in enumerate(found) if row is not None]
+        for k in (k for k, row in enumerate(found) if row is None):
+            rejected.append(V.Rejected(valid.index[k], "unknown product_id", f"product {valid.product_ids[k]!r} "
+                                       f"is not in the catalog (or was quarantined)"))
+        if len(known) < len(found):
+            found, valid = [found[k] for k in known], valid.subset(known)
+        queries += valid.queries
+        rows += found
+        weights += valid.weights
+        labels += valid.labels
         _quarantine_batch("pairs", batch, rejected, quarantine)
         while len(queries) >= chunk_size:
             yield PairChunk(queries[:chunk_size], np.array(rows[:chunk_size], np.int64),
@@ -376,7 +377,7 @@ def _pair_arrays(stack: contextlib.ExitStack, out: Path, side: str, rows: int, q
 
 
 def _tokenised_pairs(part: pa.Table, encoder: D.TextEncoder, schema: D.Schema, product_class: np.ndarray) -> D.Pairs:
-    token_ids, lengths = encoder(part.column("query").to_pylist())
+    token_ids, lengths = encoder(part.column("query"))
     product_index = part.column("product_index").to_numpy()
     # A pair's own label wins; otherwise the class is its product's category.
     labels = part.column("label").to_pylist()
