@@ -1,16 +1,10 @@
 """Validating a batch of input records at once, with the per-record validators as the reference.
 
-`validate_products` / `validate_pairs` take a `data.RecordBatch` and return the valid records and
-the rejected ones with their reasons: exactly what `data.validate_product` / `data.validate_pair`
-give record by record, only faster.
-- JSON Lines: the common record shape is accepted in a few inline checks; any other record goes
-  through the per-record validator, which gives its reason (or accepts it).
-- Parquet: the checks run on whole columns with Arrow compute (types, nulls, lengths in code
-  points, finite positive numbers); only the rows a check flags are turned into Python dicts and
-  sent through the per-record validator. A column of an unexpected type sends its whole batch
-  that way, so a valid row is never rejected by the fast path and a bad one never accepted.
-
-This is a library used by `prepare`.
+`validate_products` / `validate_pairs` take a `data.RecordBatch` and return what
+`data.validate_product` / `data.validate_pair` give record by record, only faster: JSON Lines'
+common record shape passes a few inline checks; Parquet columns are checked with Arrow compute.
+Any record a check flags (and every row of a column of an unexpected type) goes through the
+per-record validator, which gives its reason. A library used by `prepare`.
 """
 
 from __future__ import annotations
