@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import hashlib
 import json
 import logging
@@ -129,6 +130,23 @@ def resolve_inputs(args: argparse.Namespace, run_dir: Path, seed: int) -> tuple[
 
 def _input_checksums(files: Sequence[Path]) -> list[dict[str, Any]]:
     return [{"path": str(f), "bytes": f.stat().st_size, "sha256": sha256_file(f)} for f in files]
+
+
+GC_THRESHOLDS = (100_000, 50, 50)
+"""Python's cyclic garbage collector thresholds while records are read: its default (700, 10, 10)
+walks the growing catalog of record objects over and over, a third of the time it takes to read
+the catalog; the records form no reference cycles, and each is freed by its reference count."""
+
+
+@contextlib.contextmanager
+def fewer_gc_passes() -> Iterator[None]:
+    """Run the block with GC_THRESHOLDS (https://docs.python.org/3/library/gc.html#gc.set_threshold)."""
+    before = gc.get_threshold()
+    gc.set_threshold(*GC_THRESHOLDS)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
 
 
 def _quarantine_batch(kind: str, batch: D.RecordBatch, rejected: list[V.Rejected], quarantine: Quarantine) -> None:
@@ -445,7 +463,7 @@ def validate_inputs(product_files: Sequence[Path], pair_files: Sequence[Path], c
     shutil.rmtree(work, ignore_errors=True)  # a crashed attempt's chunks
     work.mkdir(parents=True)
     quarantine_path = out / "quarantine.jsonl"
-    with atomic_path(quarantine_path) as tmp, open(tmp, "wb") as sink:
+    with atomic_path(quarantine_path) as tmp, open(tmp, "wb") as sink, fewer_gc_passes():
         quarantine = Quarantine(sink)
         products, num_products_read = read_products(product_files, cfg, quarantine)
         spilled = spill_pairs(pair_files, cfg, {p.id: i for i, p in enumerate(products)}, quarantine, work, seed)
