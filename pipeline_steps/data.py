@@ -579,9 +579,9 @@ class TextEncoder:
         lengths = np.zeros(len(distinct), dtype=np.int32)
         for start in range(0, len(distinct), ENCODE_CHUNK):
             encodings = self._tok.encode_batch_fast(distinct[start:start + ENCODE_CHUNK])  # no character offsets
-            chunk_lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int32, count=len(encodings))
-            flat = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), dtype=np.int32,
-                               count=int(chunk_lengths.sum()))
+            id_lists = [e.ids for e in encodings]  # each .ids builds a new Python list: once per encoding
+            chunk_lengths = np.fromiter(map(len, id_lists), dtype=np.int32, count=len(id_lists))
+            flat = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int32, count=int(chunk_lengths.sum()))
             rows = np.repeat(np.arange(start, start + len(encodings)), chunk_lengths)
             cols = np.arange(len(flat)) - np.repeat(np.cumsum(chunk_lengths) - chunk_lengths, chunk_lengths)
             ids[rows, cols] = flat
@@ -605,15 +605,22 @@ def normalise_query(text: str) -> str:
     return " ".join(stripped.lower().split())
 
 
-def query_keys(queries: Sequence[str], seed: int) -> np.ndarray:
+def query_keys(queries: Sequence[str], seed: int, cache: dict[str, int] | None = None) -> np.ndarray:
     """uint64 [n]: a hash of (seed, normalised query): equal for the same query, whatever its case,
-    accents or spacing. It decides the holdout split and counts distinct queries."""
+    accents or spacing. It decides the holdout split and counts distinct queries. `cache`: the keys
+    of queries seen in earlier calls with the same seed (filled here), when the caller keeps one."""
     distinct, inverse = distinct_texts(queries)  # a query repeats across many pairs (clicks, purchases)
+    cache = {} if cache is None else cache
     prefix = f"{seed}\x00"
-    keys = np.fromiter((int.from_bytes(hashlib.blake2b((prefix + normalise_query(q)).encode("utf-8"),
-                                                       digest_size=8).digest(), "big") for q in distinct),
-                       dtype=np.uint64, count=len(distinct))
-    return keys[inverse]
+
+    def key(query: str) -> int:
+        found = cache.get(query)
+        if found is None:
+            digest = hashlib.blake2b((prefix + normalise_query(query)).encode("utf-8"), digest_size=8).digest()
+            found = cache[query] = int.from_bytes(digest, "big")
+        return found
+
+    return np.fromiter(map(key, distinct), dtype=np.uint64, count=len(distinct))[inverse]
 
 
 def holdout_threshold(fraction: float) -> np.uint64:

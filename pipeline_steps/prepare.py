@@ -312,8 +312,11 @@ def spill_pairs(files: Sequence[Path], cfg: DataConfig, product_row: dict[str, i
     labels: set[str] = set()
     spilled, num_valid, num_train = [], 0, 0
     threshold = D.holdout_threshold(cfg.holdout_fraction)
+    known_keys: dict[str, int] = {}  # queries repeat across chunks; bounded like the encoder's memory
     for i, chunk in enumerate(iter_pair_chunks(files, cfg, product_row, quarantine, num_read, PAIR_CHUNK)):
-        keys = D.query_keys(chunk.queries, seed)
+        if len(known_keys) > D.ENCODE_CACHE_TEXTS:
+            known_keys.clear()
+        keys = D.query_keys(chunk.queries, seed, known_keys)
         holdout = keys < threshold
         num_valid += len(chunk)
         num_train += int((~holdout).sum())
