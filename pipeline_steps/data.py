@@ -644,15 +644,21 @@ class TextSample:
         self._kept: set[str] = set()
 
     def update(self, texts: Iterable[str]) -> None:
-        for text in set(texts) - self._kept:
-            h = int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big")
-            if len(self._heap) < self.size:
-                heapq.heappush(self._heap, (-h, text))
-                self._kept.add(text)
-            elif -h > self._heap[0][0]:
-                _, dropped = heapq.heapreplace(self._heap, (-h, text))
-                self._kept.discard(dropped)
-                self._kept.add(text)
+        new = list(set(texts) - self._kept)
+        hashes = np.fromiter((int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big")
+                              for text in new), dtype=np.uint64, count=len(new))
+        if len(self._heap) >= self.size:  # only a hash below the largest kept one can enter
+            below = np.flatnonzero(hashes < np.uint64(-self._heap[0][0]))
+            new, hashes = [new[i] for i in below], hashes[below]
+        if not new:
+            return
+        # The `size` smallest of the kept and the new hashes, found by numpy instead of a heap walk.
+        texts = [text for _, text in self._heap] + new
+        every = np.concatenate([np.array([-h for h, _ in self._heap], dtype=np.uint64), hashes])
+        keep = np.argpartition(every, self.size - 1)[:self.size] if len(every) > self.size else range(len(every))
+        self._heap = [(-int(every[i]), texts[i]) for i in keep]
+        heapq.heapify(self._heap)
+        self._kept = {text for _, text in self._heap}
 
     def texts(self) -> list[str]:
         """The sample, in hash order (deterministic)."""
