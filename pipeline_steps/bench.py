@@ -489,8 +489,9 @@ def _run_measured(step_args: list[str]) -> tuple[float, float, int]:
     """(wall s, CPU s, peak RSS bytes) of `python -m pipeline_steps STEP_ARGS` in a child process.
 
     The peak is the child's own VmHWM (/proc/self/status, read by the child as it finishes). The
-    rusage wait4 returns is no good for it: Linux carries a parent's peak RSS into a child it forks
-    or vforks (exec records the old address space's high-water mark in ru_maxrss), so a child of
+    rusage of the child is no good for it: Linux carries a parent's peak RSS into a child it forks
+    or vforks (exec_mmap records the replaced address space's high-water mark in the maxrss that
+    getrusage reports: https://github.com/torvalds/linux/blob/master/fs/exec.c), so a child of
     this 2 GB process would report at least 2 GB. CPU seconds are the growth of RUSAGE_CHILDREN
     (CPU time is not carried over; this child is the only one that ends in between)."""
     import resource
