@@ -15,8 +15,10 @@ Measures, in one process, against a well-known peer and against this machine's o
             backend. embed mfu_vs_ceiling = FLOP/s on real (unpadded) tokens / the GEMM ceiling, same rounds.
   checkpoint  checkpoint.save / checkpoint.load seconds per GB on a base-size state (model + AdamW).
   prepare   `prepare` of a generated 1M-record JSON Lines upload in its own process: records/s and
-            peak RSS (prepare_records_per_s, prepare_peak_rss_mb), and the RSS one training rank adds
-            privately by loading that prepared data (train_data_rss_mb_per_rank).
+            its own peak RSS (prepare_records_per_s, prepare_peak_rss_mb); then the RSS each training
+            rank adds privately by loading that prepared data, with 1 and with 2 ranks under torchrun
+            (train_data_rss_mb_per_rank at 2 ranks; train_data_node_rss_growth = the node's data RSS
+            with 2 ranks / with 1 rank).
 
 Method: warm-up first; then `repeats` rounds in which ours and the peer (and the GEMM ceiling) run
 back to back, in alternating order; every ratio is taken within a round and the median over rounds
@@ -27,6 +29,7 @@ Local (from a checkout, with the `bench` extra: the peers' libraries are not in 
         python -m benchmarks.bench --quick --out bench.json          (make bench; a few minutes)
         python -m benchmarks.bench --out bench.json                  (small + base, cpu + xla)
         python -m benchmarks.bench --presets tiny --backends cpu --quick   (the smoke test)
+        python -m benchmarks.bench --prepare-only --presets base --prepare-records 1100000
 Reading the numbers: benchmarks/README.md.
 """
 
@@ -477,22 +480,41 @@ PREPARE_RECORDS = 1_000_000
 """Records (1 product : 4 pairs) of the generated JSON Lines dataset `prepare` is measured on."""
 
 
-def _run_measured(command: list[str]) -> tuple[float, float, int]:
-    """(wall s, CPU s, peak RSS bytes) of one child process (os.wait4: its own rusage only)."""
+_MEASURED_STEP = ("import sys\n"
+                  "from pipeline_steps.__main__ import main\n"
+                  "code = main(sys.argv[1:])\n"
+                  "print(next(l for l in open('/proc/self/status') if l.startswith('VmHWM:')), flush=True)\n"
+                  "sys.exit(code)")
+"""Runs `python -m pipeline_steps ARGS` and prints the process's own peak RSS (VmHWM, in kB) last."""
+
+
+def _run_measured(step_args: list[str]) -> tuple[float, float, int]:
+    """(wall s, CPU s, peak RSS bytes) of `python -m pipeline_steps STEP_ARGS` in a child process.
+
+    The peak is the child's own VmHWM (/proc/self/status, read by the child as it finishes). The
+    rusage of the child is no good for it: Linux carries a parent's peak RSS into a child it forks
+    or vforks (exec_mmap records the replaced address space's high-water mark in the maxrss that
+    getrusage reports: https://github.com/torvalds/linux/blob/master/fs/exec.c), so a child of
+    this 2 GB process would report at least 2 GB. CPU seconds are the growth of RUSAGE_CHILDREN
+    (CPU time is not carried over; this child is the only one that ends in between)."""
+    import resource
     import subprocess
+    import sys
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
                                                                       os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-c", _MEASURED_STEP, *step_args]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    stderr = proc.stderr.read()  # drained before waiting: a full pipe would block the child
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    proc.stderr.close()
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    stdout, stderr = proc.communicate()  # both pipes drained: a full pipe would block the child
     wall = time.perf_counter() - started
     if proc.returncode:
-        raise RuntimeError(f"{' '.join(command)} exited {proc.returncode}: {stderr.decode(errors='replace')[-2000:]}")
-    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024  # ru_maxrss is in KiB on Linux
+        raise RuntimeError(f"{' '.join(step_args)} exited {proc.returncode}: {stderr.decode(errors='replace')[-2000:]}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    hwm_kib = int(stdout.decode().strip().splitlines()[-1].split()[1])
+    return wall, cpu, hwm_kib * 1024
 
 
 def _write_jsonl_upload(out: Path, num_records: int) -> int:
@@ -513,36 +535,57 @@ def _write_jsonl_upload(out: Path, num_records: int) -> int:
 
 def bench_prepare(work: Path, num_records: int, preset: str) -> dict[str, Any]:
     """`prepare` of a generated JSON Lines upload in its own process: records/s and peak RSS; then
-    the RSS one training rank holds after loading that prepared data and its batches."""
-    import sys
-
+    the RSS each training rank holds after loading that prepared data, with 1 and with 2 ranks."""
     upload_dir = work / "prepare-upload"
     records = _write_jsonl_upload(upload_dir, num_records)
     run_dir = work / "prepare-run"
-    wall, cpu, rss = _run_measured([sys.executable, "-m", "pipeline_steps", "prepare", "--run-dir", str(run_dir),
-                                    "--data", str(upload_dir), "--preset", preset])
+    wall, cpu, rss = _run_measured(["prepare", "--run-dir", str(run_dir), "--data", str(upload_dir), "--preset", preset])
+    ranks = [_rank_data_rss(run_dir, n) for n in (1, 2)]
     return {"records": records, "preset": preset, "wall_s": wall, "cpu_s": cpu,
             "prepare_records_per_s": records / wall, "prepare_records_per_cpu_s": records / cpu,
-            "prepare_peak_rss_mb": rss / 2**20, "train_data_rss_mb_per_rank": _rank_data_rss(run_dir) / 2**20}
+            "prepare_peak_rss_mb": rss / 2**20, "train_data_rss_by_ranks": ranks,
+            "train_data_rss_mb_per_rank": ranks[-1]["private_mb"],
+            "train_data_node_rss_growth": ranks[-1]["node_mb"] / ranks[0]["node_mb"]}
 
 
-def _rank_data_rss(run_dir: Path) -> int:
-    """Bytes of private (anonymous) RSS one training rank adds by loading the prepared data and
-    cutting a batch: what every rank of a node pays again. Pages of memory-mapped files are shared
-    by the ranks through the page cache and not counted. A fresh process, measured after torch is
-    imported, so the libraries are not counted either."""
+_RANK_PROBE = """
+import sys
+from pipeline_steps import data as D, distributed as dist_lib
+
+def status(key):
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key + ":"))
+
+world = dist_lib.init("cpu")  # joins torchrun's gloo group, as a training rank does
+before = {key: status(key) for key in ("RssAnon", "RssFile")}
+data = D.load_prepared(sys.argv[1])
+for _ in D.TrainBatches(data, data.data_cfg.batch_size, rank=world.rank, world_size=world.world_size, seed=0).epoch(0):
+    pass
+print(f"rank-rss {world.rank} {status('RssAnon') - before['RssAnon']} {status('RssFile') - before['RssFile']}",
+      flush=True)
+if world.world_size > 1:
+    dist_lib.dist.barrier()  # every rank holds its data until all have measured
+"""
+
+
+def _rank_data_rss(run_dir: Path, ranks: int) -> dict[str, float]:
+    """MB of RSS each of `ranks` training ranks (torchrun, gloo) adds by loading the prepared data
+    and cutting one epoch of its batches: `private` (anonymous memory, what every rank pays again)
+    and `shared` (pages of the memory-mapped files, held once per node in the page cache), the
+    largest over the ranks; `node_mb` = the node's total. Measured in each rank after torch is
+    imported, so the libraries are not counted."""
     import subprocess
     import sys
 
-    probe = ("import sys, torch; from pipeline_steps import data as D\n"
-             "rss = lambda: next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('RssAnon'))\n"
-             "before = rss(); d = D.load_prepared(sys.argv[1])\n"
-             "next(D.TrainBatches(d, d.data_cfg.batch_size, rank=0, world_size=1, seed=0).epoch(0))\n"
-             "print(rss() - before)")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    out = subprocess.run([sys.executable, "-c", probe, str(run_dir)], env=env, capture_output=True, text=True,
-                         check=True)
-    return int(out.stdout.strip().splitlines()[-1])
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+                          "--no-python", sys.executable, "-c", _RANK_PROBE, str(run_dir)],
+                         env=env, capture_output=True, text=True, check=True)
+    rows = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("rank-rss ")]
+    assert len(rows) == ranks, out.stdout + out.stderr
+    private, shared = [int(r[1]) / 2**20 for r in rows], [int(r[2]) / 2**20 for r in rows]
+    # The node holds every rank's private pages and the mapped files once (the ranks read rows
+    # spread over every file, so one rank's mapped pages stand for the node's).
+    return {"ranks": ranks, "private_mb": max(private), "shared_mb": max(shared), "node_mb": sum(private) + max(shared)}
 
 
 def prepared_run_dir(work: Path, preset: str, name: str | None = None) -> Path:
@@ -661,17 +704,41 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["checkpoint_save_s_per_gb"] = result["checkpoint"]["checkpoint_save_s_per_gb"]
     result["checkpoint_load_s_per_gb"] = result["checkpoint"]["checkpoint_load_s_per_gb"]
     # ---- data at scale: prepare of a generated JSON Lines upload, and one rank's data memory
-    num_records = 20_000 if args.quick else PREPARE_RECORDS
-    log.info("bench prepare: %d records", num_records)
-    result["prepare"] = bench_prepare(work, num_records, headline)
-    for key in ("prepare_records_per_s", "prepare_peak_rss_mb", "train_data_rss_mb_per_rank"):
-        result[key] = result["prepare"][key]
+    _run_prepare_section(args, work, headline, result)
     if not args.keep_work:
         import shutil
 
         shutil.rmtree(work, ignore_errors=True)
     return result
 
+
+def _run_prepare_section(args: argparse.Namespace, work: Path, preset: str, result: dict[str, Any]) -> None:
+    num_records = args.prepare_records or (20_000 if args.quick else PREPARE_RECORDS)
+    log.info("bench prepare: %d records (%s preset)", num_records, preset)
+    result["prepare"] = bench_prepare(work, num_records, preset)
+    for key in PREPARE_TARGETS:
+        result[key] = result["prepare"][key]
+
+
+def run_prepare_only(args: argparse.Namespace) -> dict[str, Any]:
+    """Only the data-at-scale section (`--prepare-only`): a minute or two at 1M records."""
+    import shutil
+
+    work = Path(tempfile.mkdtemp(prefix="bench-", dir=args.work_dir))
+    load = os.getloadavg()
+    result: dict[str, Any] = {"machine": {"logical_cpus": os.cpu_count(),
+                                          "load_average_at_start": [round(x, 2) for x in load]}}
+    _run_prepare_section(args, work, args.presets.split(",")[-1].strip(), result)
+    if not args.keep_work:
+        shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+PREPARE_TARGETS = {"prepare_records_per_s": (">=", 50_000.0), "prepare_peak_rss_mb": ("<=", 1536.0),
+                   "train_data_node_rss_growth": ("<=", 1.25)}
+"""Data at scale, on a 2-core machine: one prepare process on JSON Lines, at >= 1M records. The
+last: the node's training-data RSS with 2 ranks / with 1 rank; a copy of the data per rank gives
+2.0, shared memory-mapped data 1 + (a rank's index arrays / the data)."""
 
 TARGETS = {"train_ratio_vs_peer": (">=", 1.0), "xla_train_ratio_vs_peer": (">=", 1.0), "embed_ratio_vs_peer": (">=", 1.2), "loader_headroom": (">=", 10.0),
            "compiles_after_warmup": ("==", 0)}
@@ -680,7 +747,32 @@ TARGETS = {"train_ratio_vs_peer": (">=", 1.0), "xla_train_ratio_vs_peer": (">=",
 def _met(value: Any, op: str, target: float) -> str:
     if value is None:
         return "n/a"
-    return "yes" if (value >= target if op == ">=" else value == target) else "NO"
+    met = {">=": value >= target, "<=": value <= target, "==": value == target}[op]
+    return "yes" if met else "NO"
+
+
+def prepare_table(result: dict[str, Any]):
+    """The data-at-scale rows: each figure with its goal and whether it is met."""
+    from rich.table import Table
+
+    pr = result["prepare"]
+    table = Table(title=f"data at scale: prepare of {pr['records']} JSON Lines records ({pr['preset']} preset), "
+                        f"training ranks under torchrun (gloo)")
+    for col in ("metric", "value", "goal", "met"):
+        table.add_column(col)
+    rows = {
+        "prepare_records_per_s": f"{pr['prepare_records_per_s']:.0f} ({pr['wall_s']:.1f} s wall; "
+                                 f"{pr['prepare_records_per_cpu_s']:.0f} per CPU s)",
+        "prepare_peak_rss_mb": f"{pr['prepare_peak_rss_mb']:.0f}",
+        "train_data_node_rss_growth": f"{pr['train_data_node_rss_growth']:.2f}",
+    }
+    for key, (op, target) in PREPARE_TARGETS.items():
+        table.add_row(key, rows[key], f"{op} {target:g}", _met(pr[key], op, target))
+    for r in pr["train_data_rss_by_ranks"]:
+        table.add_row(f"train data RSS MB per rank, {r['ranks']} rank(s)",
+                      f"private {r['private_mb']:.1f}, shared (page cache) {r['shared_mb']:.1f}; "
+                      f"node {r['node_mb']:.1f}", "-", "-")
+    return table
 
 
 def print_report(result: dict[str, Any]) -> None:
@@ -716,12 +808,8 @@ def print_report(result: dict[str, Any]) -> None:
     summary.add_row("checkpoint_save_s_per_gb", f"{result['checkpoint_save_s_per_gb']:.2f}", "-", "-")
     summary.add_row("checkpoint_load_s_per_gb", f"{result['checkpoint_load_s_per_gb']:.2f}", "-", "-")
     summary.add_row("embed_mfu_vs_ceiling", f"{result['embed_mfu_vs_ceiling']:.1%}", "as high as possible", "-")
-    pr = result["prepare"]
-    summary.add_row("prepare records/s (CPU s)", f"{pr['prepare_records_per_s']:.0f} ({pr['cpu_s']:.1f})",
-                    f">= 50000 at {pr['records']} records", "-")
-    summary.add_row("prepare peak RSS MB", f"{pr['prepare_peak_rss_mb']:.0f}", "<= 1536", "-")
-    summary.add_row("training data RSS MB per rank", f"{pr['train_data_rss_mb_per_rank']:.0f}", "-", "-")
     console.print(summary)
+    console.print(prepare_table(result))
     embed = Table(title="embedding inference (tokenisation included; FLOPs on real tokens)")
     for col in ("preset", "backend", "texts", "embeddings/s", "GFLOP/s", "ceiling GFLOP/s", "mfu_vs_ceiling",
                 "peer embeddings/s", "peer mfu", "ratio vs peer"):
@@ -751,9 +839,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=0, help="paired rounds (default 3 quick, 5 full)")
     parser.add_argument("--work-dir", type=Path, default=None, help="where temporary run dirs go (default $TMPDIR)")
     parser.add_argument("--keep-work", action="store_true", help="keep the temporary run dirs")
+    parser.add_argument("--prepare-records", type=int, default=0, metavar="N",
+                        help=f"records of the prepare measurement (default {PREPARE_RECORDS}, 20000 with --quick)")
+    parser.add_argument("--prepare-only", action="store_true",
+                        help="only the data-at-scale section (prepare, training data RSS per rank), on the last "
+                             "of --presets")
     args = parser.parse_args(argv)
-    result = run(args)
-    print_report(result)
+    if args.prepare_only:
+        from rich.console import Console
+
+        result = run_prepare_only(args)
+        Console(width=150).print(prepare_table(result))
+    else:
+        result = run(args)
+        print_report(result)
     if args.out is not None:
         atomic_write_json(args.out, result)
         log.info("wrote %s", args.out)

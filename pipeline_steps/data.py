@@ -12,7 +12,7 @@ whose name starts with "products" (e.g. DIR/products/part-*.jsonl) and with "pai
 
 Prepared data (what `prepare` writes under RUN_DIR/prepared/ and `load_prepared` reads):
     tokenizer.json, schema.json, products.parquet, train_pairs.parquet, holdout_pairs.parquet,
-    <side>_pairs.<column>.npy (the pair columns training memory-maps), quarantine.jsonl,
+    products.<column>.npy and <side>_pairs.<column>.npy (the columns training memory-maps), quarantine.jsonl,
     prepare.json (written last: its status "ok" marks a complete set).
 
 Batches: `TrainBatches` (training: bucketed, static shapes, sharded per rank, seeded order) and
@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 import numpy as np
 import orjson
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
@@ -55,6 +56,7 @@ IGNORE_INDEX = -100
 """Class id of rows without a label (torch's cross_entropy default ignore_index)."""
 INPUT_SUFFIXES = (".jsonl", ".ndjson", ".parquet")
 NUMERIC_CLIP = 10.0
+_BOM = b"\xef\xbb\xbf"  # the UTF-8 byte order mark some editors write first
 """Normalised numeric features are clipped to +-this many standard deviations, so one absurd
 price cannot saturate the fusion MLP."""
 PREPARED = "prepared"
@@ -185,49 +187,127 @@ def _parsed(source: str, line_no: int, data: bytes, value: Any) -> RawRecord:
     return RawRecord(source, line_no, value, data)
 
 
-def _iter_jsonl(path: Path) -> Iterator[RawRecord]:
-    source = str(path)
-    if path.stat().st_size == 0:
-        log.warning("input file %s is empty (0 bytes): it adds no records", path)
-    # Binary mode and a per-line parse: one bad byte quarantines one line, not the whole file.
-    with open(path, "rb") as fh:
-        for line_no, data in enumerate(fh, start=1):
-            data = data.rstrip(b"\r\n")
-            if line_no == 1 and data.startswith(b"\xef\xbb\xbf"):  # a UTF-8 BOM written by some editors
-                data = data[3:]
-            if not data.strip():
-                continue  # blank lines separate nothing and hold no record
-            try:
-                value = orjson.loads(data)  # validates UTF-8 and rejects lone surrogates itself
-            except orjson.JSONDecodeError as exc:
-                yield _quarantined_line(source, line_no, data, exc)
-                continue
-            yield _parsed(source, line_no, data, value)
+READ_BATCH_ROWS = 8192
+"""Records parsed (JSON Lines) or decoded (Parquet) at a time, then validated together."""
 
 
-def _iter_parquet(path: Path) -> Iterator[RawRecord]:
-    source = str(path)
+@dataclass
+class RecordBatch:
+    """Up to READ_BATCH_ROWS consecutive records of one input file."""
+
+    source: str
+    lines: list[int]
+    """1-based line (JSON Lines) or row (Parquet) number of each record in `source`."""
+    values: list[Any] | None
+    """Parsed records (JSON Lines; None where the line failed, see `failed`); None for Parquet,
+    whose rows stay in `table` until a record is needed one by one."""
+    raws: list[bytes] | None = None
+    """The lines as read (JSON Lines only)."""
+    failed: dict[int, RawRecord] = field(default_factory=dict)
+    """Index -> the RawRecord (with its reason) of each line that did not parse to an object."""
+    table: pa.RecordBatch | None = None
+
+    def __len__(self) -> int:
+        return len(self.lines)
+
+    def rows(self, indices: Sequence[int]) -> list[Any]:
+        """The parsed records at `indices` (Parquet rows become dicts here)."""
+        if self.values is not None:
+            return [self.values[i] for i in indices]
+        return self.table.take(pa.array(indices, pa.int64())).to_pylist() if len(indices) else []
+
+    def raw_record(self, i: int, value: Any = None) -> RawRecord:
+        """Record `i` as a RawRecord (`value`: its parsed form when the caller already has it)."""
+        if i in self.failed:
+            return self.failed[i]
+        if self.values is not None:
+            return RawRecord(self.source, self.lines[i], self.values[i], self.raws[i])
+        return RawRecord(self.source, self.lines[i], value if value is not None else self.rows([i])[0])
+
+
+class JsonlBatches:
+    """The records of a JSON Lines file, or of its byte range [start, end) (cut at line starts), in
+    batches. Line numbers count from the range's first line; `lines` counts the lines read so far,
+    blank ones included, so a caller can number a later range."""
+
+    def __init__(self, path: Path, batch_rows: int = READ_BATCH_ROWS, start: int = 0, end: int | None = None):
+        self.path, self.batch_rows, self.start, self.end = Path(path), batch_rows, start, end
+        self.lines = 0
+
+    def __iter__(self) -> Iterator[RecordBatch]:
+        source, pos = str(self.path), self.start
+        end = self.path.stat().st_size if self.end is None else self.end
+        if self.start == 0 and end == 0:
+            log.warning("input file %s is empty (0 bytes): it adds no records", self.path)
+        batch = RecordBatch(source, [], [], [])
+        # Binary mode and a per-line parse: one bad byte quarantines one line, not the whole file.
+        with open(self.path, "rb") as fh:
+            fh.seek(pos)
+            for data in fh:
+                if pos >= end:
+                    break
+                pos += len(data)
+                self.lines += 1
+                line_no = self.lines
+                data = data.rstrip(b"\r\n")
+                if self.start == 0 and line_no == 1 and data.startswith(_BOM):
+                    data = data[len(_BOM):]
+                if not data.strip():
+                    continue  # blank lines separate nothing and hold no record
+                try:
+                    value = orjson.loads(data)  # validates UTF-8 and rejects lone surrogates itself
+                except orjson.JSONDecodeError as exc:
+                    value = _quarantined_line(source, line_no, data, exc)
+                if type(value) is not dict:
+                    record = value if isinstance(value, RawRecord) else _parsed(source, line_no, data, value)
+                    if record.reason:
+                        batch.failed[len(batch.lines)] = record
+                    value = record.value
+                batch.lines.append(line_no)
+                batch.values.append(value)
+                batch.raws.append(data)
+                if len(batch.lines) == self.batch_rows:
+                    yield batch
+                    batch = RecordBatch(source, [], [], [])
+        if batch.lines:
+            yield batch
+
+
+def parquet_batches(path: Path, batch_rows: int = READ_BATCH_ROWS, row_groups: Sequence[int] | None = None,
+                    first_row: int = 1) -> Iterator[RecordBatch]:
+    """The rows of a Parquet file (or of its `row_groups`, the first of which is row `first_row`)."""
+    source, row = str(path), first_row - 1
     try:
         parquet = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as exc:
         raise BadInputError(f"cannot read Parquet file {path}: {exc}; re-export or re-upload the shard "
                             f"(a truncated upload is the usual cause)") from None
-    row = 0
     try:
-        for batch in parquet.iter_batches(batch_size=8192):
-            for value in batch.to_pylist():
-                row += 1
-                yield RawRecord(source, row, value)
+        for table in parquet.iter_batches(batch_size=batch_rows, row_groups=row_groups):
+            table.validate(full=True)  # invalid UTF-8 in a string column fails here, with the row range
+            yield RecordBatch(source, list(range(row + 1, row + 1 + table.num_rows)), None, table=table)
+            row += table.num_rows
     except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:
         # Parquet stores rows in compressed column chunks: a damaged chunk loses rows we cannot name.
         raise BadInputError(f"cannot read Parquet file {path} after row {row}: {exc}; re-export or re-upload "
                             f"the shard") from None
 
 
+def iter_batches(files: Iterable[Path], batch_rows: int = READ_BATCH_ROWS) -> Iterator[RecordBatch]:
+    """Every non-blank line / row of `files`, in order, in batches of at most `batch_rows` per file."""
+    for path in files:
+        if input_format(path) == "parquet":
+            yield from parquet_batches(path, batch_rows)
+        else:
+            yield from JsonlBatches(path, batch_rows)
+
+
 def iter_records(files: Iterable[Path]) -> Iterator[RawRecord]:
     """Every non-blank line / row of `files`, in order, parsed where possible."""
-    for path in files:
-        yield from (_iter_parquet(path) if input_format(path) == "parquet" else _iter_jsonl(path))
+    for batch in iter_batches(files):
+        values = batch.rows(range(len(batch)))
+        for i, value in enumerate(values):
+            yield batch.raw_record(i, value)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -460,29 +540,78 @@ ENCODE_CHUNK = 8192
 ~100x the int32 row they become, so encoding a whole catalog at once peaks at gigabytes."""
 
 
+def distinct_texts(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> tuple[list[str], np.ndarray]:
+    """(the distinct texts in order of first appearance, int64 [n]: each text's index in them),
+    by Arrow's hash table instead of a Python dict."""
+    array = texts if isinstance(texts, (pa.Array, pa.ChunkedArray)) else pa.array(texts, pa.string())
+    if isinstance(array, pa.ChunkedArray):
+        array = array.combine_chunks()
+    encoded = pc.dictionary_encode(array)
+    return encoded.dictionary.to_pylist(), encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+ENCODE_CACHE_TEXTS = 1 << 18
+"""Distinct texts a TextEncoder remembers (their rows: 32 MB at 32 tokens). Queries repeat
+across the chunks of a click log: each is encoded once, not once per chunk."""
+
+
+class TextEncoder:
+    """`encode_texts` that remembers the rows of up to `capacity` texts across calls (the first
+    ones seen; a text's row does not depend on the call, so the result is the same)."""
+
+    def __init__(self, tokenizer: Tokenizer, max_length: int, capacity: int = ENCODE_CACHE_TEXTS):
+        # A private copy: truncation is tokenizer state and the caller's object stays untouched.
+        self._tok = Tokenizer.from_str(tokenizer.to_str())
+        self._tok.enable_truncation(max_length=max_length)
+        self._tok.no_padding()  # padding here is cheaper than turning 0s into Python ints and back
+        self.max_length, self.capacity = max_length, capacity
+        self._row: dict[str, int] = {}
+        self._ids = np.zeros((0, max_length), dtype=np.int32)
+        self._lengths = np.zeros(0, dtype=np.int32)
+
+    def __call__(self, texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+        """(token_ids int32 [n, max_length], lengths int32 [n] = real tokens incl. specials)."""
+        # Each distinct text is encoded once: queries repeat across the pairs of a click log.
+        distinct, inverse = distinct_texts(texts)
+        known = np.fromiter((self._row.get(t, -1) for t in distinct), dtype=np.int64, count=len(distinct))
+        missing = np.flatnonzero(known < 0)
+        new_ids, new_lengths = self._encode([distinct[i] for i in missing])
+        ids = np.empty((len(distinct), self.max_length), dtype=np.int32)
+        lengths = np.empty(len(distinct), dtype=np.int32)
+        cached = np.flatnonzero(known >= 0)
+        ids[cached], lengths[cached] = self._ids[known[cached]], self._lengths[known[cached]]
+        ids[missing], lengths[missing] = new_ids, new_lengths
+        self._remember([distinct[i] for i in missing], new_ids, new_lengths)
+        return ids[inverse], lengths[inverse]
+
+    def _remember(self, texts: list[str], ids: np.ndarray, lengths: np.ndarray) -> None:
+        room = min(len(texts), self.capacity - len(self._row))
+        if room <= 0:
+            return
+        start = len(self._row)
+        self._row.update(zip(texts[:room], range(start, start + room)))
+        self._ids = np.concatenate([self._ids, ids[:room]])
+        self._lengths = np.concatenate([self._lengths, lengths[:room]])
+
+    def _encode(self, distinct: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        ids = np.zeros((len(distinct), self.max_length), dtype=np.int32)
+        lengths = np.zeros(len(distinct), dtype=np.int32)
+        for start in range(0, len(distinct), ENCODE_CHUNK):
+            encodings = self._tok.encode_batch_fast(distinct[start:start + ENCODE_CHUNK])  # no character offsets
+            id_lists = [e.ids for e in encodings]  # each .ids builds a new Python list: once per encoding
+            chunk_lengths = np.fromiter(map(len, id_lists), dtype=np.int32, count=len(id_lists))
+            flat = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int32, count=int(chunk_lengths.sum()))
+            rows = np.repeat(np.arange(start, start + len(encodings)), chunk_lengths)
+            cols = np.arange(len(flat)) - np.repeat(np.cumsum(chunk_lengths) - chunk_lengths, chunk_lengths)
+            ids[rows, cols] = flat
+            lengths[start:start + len(encodings)] = chunk_lengths
+        return ids, lengths
+
+
 def encode_texts(tokenizer: Tokenizer, texts: Sequence[str], max_length: int) -> tuple[np.ndarray, np.ndarray]:
     """Encode `texts` as [CLS] ... [SEP], truncated (keeping [SEP]) and padded with 0 to `max_length`.
     Returns (token_ids int32 [n, max_length], lengths int32 [n] = real tokens incl. specials)."""
-    # A private copy: truncation is tokenizer state and the caller's object stays untouched.
-    tok = Tokenizer.from_str(tokenizer.to_str())
-    tok.enable_truncation(max_length=max_length)
-    tok.no_padding()  # padding here is cheaper than turning 0s into Python ints and back
-    # Each distinct text is encoded once: queries repeat across the pairs of a click log.
-    first: dict[str, int] = {}
-    inverse = np.fromiter((first.setdefault(t, len(first)) for t in texts), dtype=np.int64, count=len(texts))
-    distinct = list(first)
-    ids = np.zeros((len(distinct), max_length), dtype=np.int32)
-    lengths = np.zeros(len(distinct), dtype=np.int32)
-    for start in range(0, len(distinct), ENCODE_CHUNK):
-        encodings = tok.encode_batch_fast(distinct[start:start + ENCODE_CHUNK])  # no character offsets
-        chunk_lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int32, count=len(encodings))
-        flat = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), dtype=np.int32,
-                           count=int(chunk_lengths.sum()))
-        rows = np.repeat(np.arange(start, start + len(encodings)), chunk_lengths)
-        cols = np.arange(len(flat)) - np.repeat(np.cumsum(chunk_lengths) - chunk_lengths, chunk_lengths)
-        ids[rows, cols] = flat
-        lengths[start:start + len(encodings)] = chunk_lengths
-    return ids[inverse], lengths[inverse]
+    return TextEncoder(tokenizer, max_length, capacity=0)(texts)
 
 
 def normalise_query(text: str) -> str:
@@ -495,19 +624,22 @@ def normalise_query(text: str) -> str:
     return " ".join(stripped.lower().split())
 
 
-def query_keys(queries: Sequence[str], seed: int) -> np.ndarray:
+def query_keys(queries: Sequence[str], seed: int, cache: dict[str, int] | None = None) -> np.ndarray:
     """uint64 [n]: a hash of (seed, normalised query): equal for the same query, whatever its case,
-    accents or spacing. It decides the holdout split and counts distinct queries."""
-    out = np.zeros(len(queries), dtype=np.uint64)
-    cache: dict[str, int] = {}  # a query repeats across many pairs (clicks, purchases)
+    accents or spacing. It decides the holdout split and counts distinct queries. `cache`: the keys
+    of queries seen in earlier calls with the same seed (filled here), when the caller keeps one."""
+    distinct, inverse = distinct_texts(queries)  # a query repeats across many pairs (clicks, purchases)
+    cache = {} if cache is None else cache
     prefix = f"{seed}\x00"
-    for i, q in enumerate(queries):
-        key = cache.get(q)
-        if key is None:
-            digest = hashlib.blake2b((prefix + normalise_query(q)).encode("utf-8"), digest_size=8).digest()
-            key = cache[q] = int.from_bytes(digest, "big")
-        out[i] = key
-    return out
+
+    def key(query: str) -> int:
+        found = cache.get(query)
+        if found is None:
+            digest = hashlib.blake2b((prefix + normalise_query(query)).encode("utf-8"), digest_size=8).digest()
+            found = cache[query] = int.from_bytes(digest, "big")
+        return found
+
+    return np.fromiter(map(key, distinct), dtype=np.uint64, count=len(distinct))[inverse]
 
 
 def holdout_threshold(fraction: float) -> np.uint64:
@@ -531,15 +663,21 @@ class TextSample:
         self._kept: set[str] = set()
 
     def update(self, texts: Iterable[str]) -> None:
-        for text in set(texts) - self._kept:
-            h = int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big")
-            if len(self._heap) < self.size:
-                heapq.heappush(self._heap, (-h, text))
-                self._kept.add(text)
-            elif -h > self._heap[0][0]:
-                _, dropped = heapq.heapreplace(self._heap, (-h, text))
-                self._kept.discard(dropped)
-                self._kept.add(text)
+        new = list(set(texts) - self._kept)
+        hashes = np.fromiter((int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big")
+                              for text in new), dtype=np.uint64, count=len(new))
+        if len(self._heap) >= self.size:  # only a hash below the largest kept one can enter
+            below = np.flatnonzero(hashes < np.uint64(-self._heap[0][0]))
+            new, hashes = [new[i] for i in below], hashes[below]
+        if not new:
+            return
+        # The `size` smallest of the kept and the new hashes, found by numpy instead of a heap walk.
+        texts = [text for _, text in self._heap] + new
+        every = np.concatenate([np.array([-h for h, _ in self._heap], dtype=np.uint64), hashes])
+        keep = np.argpartition(every, self.size - 1)[:self.size] if len(every) > self.size else range(len(every))
+        self._heap = [(-int(every[i]), texts[i]) for i in keep]
+        heapq.heapify(self._heap)
+        self._kept = {text for _, text in self._heap}
 
     def texts(self) -> list[str]:
         """The sample, in hash order (deterministic)."""
@@ -683,9 +821,19 @@ def pair_array_path(prepared: Path, side: str, name: str) -> Path:
     return prepared / f"{side}_pairs.{name}.npy"
 
 
+PRODUCT_ARRAYS = {"token_ids": np.int32, "lengths": np.int32, "numeric": np.float32, "categorical": np.int64,
+                  "class_id": np.int64}
+"""The catalog columns training reads (with their stored dtypes); `save_products` also stores each
+as RUN_DIR/prepared/products.<name>.npy, memory-mapped by every rank like the pair columns."""
+
+
+def product_array_path(prepared: Path, name: str) -> Path:
+    return prepared / f"products.{name}.npy"
+
+
 class ParquetStrings(Sequence[str]):
-    """A string column of a Parquet file, read on first use: training never reads the query
-    texts, so its ranks never hold them."""
+    """A string column of a Parquet file, read on first use: training never reads the query or
+    product texts, so its ranks never hold them."""
 
     def __init__(self, path: Path, column: str):
         self._path, self._column = path, column
@@ -750,6 +898,9 @@ def save_products(path: str | Path, products: Products) -> None:
     })
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
+    for name, dtype in PRODUCT_ARRAYS.items():
+        with atomic_path(product_array_path(Path(path).parent, name)) as tmp, open(tmp, "wb") as fh:
+            np.save(fh, getattr(products, name).astype(dtype, copy=False))
 
 
 PAIRS_SCHEMA = pa.schema([("query", pa.string()), ("product_id", pa.string()), ("product_index", pa.int64()),
@@ -823,6 +974,24 @@ def _load_pairs(prepared: Path, side: str, data_cfg: DataConfig) -> Pairs:
     return Pairs(queries=ParquetStrings(parquet, "query"), **arrays)
 
 
+def _load_products(prepared: Path, data_cfg: DataConfig, schema: Schema) -> Products:
+    """The catalog: its arrays memory-mapped from the .npy files when prepare wrote them (the ranks
+    of a node share one copy in the page cache), its strings read from Parquet on first use."""
+    parquet = prepared / "products.parquet"
+    paths = {name: product_array_path(prepared, name) for name in PRODUCT_ARRAYS}
+    if not all(path.is_file() for path in paths.values()):
+        return read_products(parquet, data_cfg, schema)
+    arrays = {name: np.load(path, mmap_mode="r") for name, path in paths.items()}
+    widths = {"token_ids": max(data_cfg.length_buckets), "numeric": len(schema.numeric_names),
+              "categorical": len(schema.categorical_names)}
+    if len({a.shape[0] for a in arrays.values()}) != 1 or any(
+            arrays[name].shape[1:] != (width,) for name, width in widths.items()):
+        raise BadInputError(f"the product arrays in {prepared} do not match each other, the schema or the data "
+                            f"config; rerun prepare")
+    return Products(ids=ParquetStrings(parquet, "id"), titles=ParquetStrings(parquet, "title"),
+                    texts=ParquetStrings(parquet, "text"), **arrays)
+
+
 def load_prepared(run_dir: str | Path) -> PreparedData:
     """Everything `prepare` wrote for `run_dir`; BadInputError with the command to run if it hasn't."""
     prepared = Path(run_dir) / PREPARED
@@ -837,9 +1006,8 @@ def load_prepared(run_dir: str | Path) -> PreparedData:
                             f"fix the input (see {prepared / 'quarantine.jsonl'}) and rerun prepare")
     data_cfg = from_dict(DataConfig, report["data_config"])
     schema = Schema.load(prepared / "schema.json")
-    products = read_products(prepared / "products.parquet", data_cfg, schema)
     return PreparedData(
-        products=products,
+        products=_load_products(prepared, data_cfg, schema),
         train=_load_pairs(prepared, "train", data_cfg),
         holdout=_load_pairs(prepared, "holdout", data_cfg),
         schema=schema,

@@ -22,7 +22,6 @@ Neuron backend can replace the XLA path in one place.
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import os
 import random
@@ -36,6 +35,7 @@ import torch.distributed as dist
 
 from .contract import COMPILE_CACHE_BASE_ENV
 from .errors import BadConfigError, RetryableError
+from .packages import versions  # re-exported: callers that already hold torch ask here
 
 BACKENDS = ("cpu", "cuda", "xla")
 GRAD_REDUCE_ENV = "PIPELINE_GRAD_REDUCE"
@@ -424,16 +424,3 @@ def configure_neuron_cache(base: str | None = None) -> str | None:
     if url and neuron_available():
         os.environ.setdefault("NEURON_COMPILE_CACHE_URL", url)
     return os.environ.get("NEURON_COMPILE_CACHE_URL")
-
-
-# ----------------------------------------------------------------------------- versions
-
-def versions() -> dict[str, str | None]:
-    """Versions of the packages that decide numerics and compiled graphs (for reproducibility)."""
-    out: dict[str, str | None] = {}
-    for pkg in ("torch", "torch-xla", "torch-neuronx", "neuronx-cc", "libneuronxla"):
-        try:
-            out[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            out[pkg] = None
-    return out

@@ -9,7 +9,8 @@ With `--init-from RUN_DIR_OR_CHECKPOINT`: the previous run's tokenizer and schem
 Writes RUN_DIR/prepared/ (each file atomically; prepare.json last, its status "ok" marks a
 complete set, and it is removed first so a crash never leaves an old "ok" beside new files):
     tokenizer.json, schema.json, products.parquet, train_pairs.parquet, holdout_pairs.parquet,
-    <side>_pairs.<column>.npy (the pair columns, memory-mapped by every training rank),
+    products.<column>.npy, <side>_pairs.<column>.npy (the catalog and pair columns, memory-mapped
+    by every training rank),
     quarantine.jsonl  {"kind", "source", "line", "reason", "detail", "record"} per bad record,
     prepare.json      counts per reason, fractions, input checksums, seed, data config.
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import hashlib
 import json
 import logging
@@ -38,13 +40,13 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Callable, Iterable, Iterator, Sequence
+from typing import IO, Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import data as D
+from . import batch_validation as V, data as D
 from .config import DataConfig, get_preset, to_dict
 from .contract import FSX_INCOMING
 from .errors import BadConfigError, BadInputError, StepError
@@ -132,20 +134,28 @@ def _input_checksums(files: Sequence[Path]) -> list[dict[str, Any]]:
     return [{"path": str(f), "bytes": f.stat().st_size, "sha256": sha256_file(f)} for f in files]
 
 
-def _validated(kind: str, files: Sequence[Path], validate: Callable[..., Any], cfg: DataConfig, quarantine: Quarantine,
-               records: Iterable[D.RawRecord] | None = None) -> Iterator[tuple[D.RawRecord, Any]]:
-    """(raw, record) for every record read (of `files`, or the given `records`); record is None
-    when it went to the quarantine (unparseable, or rejected by `validate` with its reason)."""
-    for raw in D.iter_records(files) if records is None else records:
-        record = None
-        if raw.reason:
-            quarantine.add(kind, raw.source, raw.line, raw.reason, raw.detail or "", raw.raw_text())
-        else:
-            try:
-                record = validate(raw.value, cfg.max_text_chars, raw.source, raw.line)
-            except D.RecordError as exc:
-                quarantine.add(kind, raw.source, raw.line, exc.reason, exc.detail, raw.raw_text())
-        yield raw, record
+GC_THRESHOLDS = (100_000, 50, 50)
+"""Python's cyclic garbage collector thresholds while records are read: its default (700, 10, 10)
+walks the growing catalog of record objects over and over, a third of the time it takes to read
+the catalog; the records form no reference cycles, and each is freed by its reference count."""
+
+
+@contextlib.contextmanager
+def fewer_gc_passes() -> Iterator[None]:
+    """Run the block with GC_THRESHOLDS (https://docs.python.org/3/library/gc.html#gc.set_threshold)."""
+    before = gc.get_threshold()
+    gc.set_threshold(*GC_THRESHOLDS)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
+
+
+def _quarantine_batch(kind: str, batch: D.RecordBatch, rejected: list[V.Rejected], quarantine: Quarantine) -> None:
+    """Add the rejected records of `batch` to the quarantine, in input order."""
+    for r in sorted(rejected, key=lambda r: r.index):
+        quarantine.add(kind, batch.source, batch.lines[r.index], r.reason, r.detail,
+                       batch.raw_record(r.index).raw_text())
 
 
 def read_products(files: Sequence[Path], cfg: DataConfig, quarantine: Quarantine) -> tuple[list[D.ProductRecord], int]:
@@ -153,16 +163,17 @@ def read_products(files: Sequence[Path], cfg: DataConfig, quarantine: Quarantine
     products: list[D.ProductRecord] = []
     first_seen: dict[str, str] = {}
     num_read = 0
-    for raw, product in _validated("products", files, D.validate_product, cfg, quarantine):
-        num_read += 1
-        if product is None:
-            continue
-        if product.id in first_seen:
-            quarantine.add("products", raw.source, raw.line, "duplicate product id",
-                           f"id {product.id!r} already defined at {first_seen[product.id]}", raw.raw_text())
-            continue
-        first_seen[product.id] = f"{raw.source}:{raw.line}"
-        products.append(product)
+    for batch in D.iter_batches(files):
+        num_read += len(batch)
+        valid, rejected = V.validate_products(batch, cfg.max_text_chars)
+        for i, product in valid:
+            if product.id in first_seen:
+                rejected.append(V.Rejected(i, "duplicate product id",
+                                           f"id {product.id!r} already defined at {first_seen[product.id]}"))
+                continue
+            first_seen[product.id] = f"{batch.source}:{batch.lines[i]}"
+            products.append(product)
+        _quarantine_batch("products", batch, rejected, quarantine)
     return products, num_read
 
 
@@ -181,29 +192,32 @@ class PairChunk:
 
 def iter_pair_chunks(files: Sequence[Path], cfg: DataConfig, product_row: dict[str, int], quarantine: Quarantine,
                      num_read: Counter, chunk_size: int = PAIR_CHUNK,
-                     records: Iterable[D.RawRecord] | None = None) -> Iterator[PairChunk]:
+                     batches: Iterable[D.RecordBatch] | None = None) -> Iterator[PairChunk]:
     """The valid pairs whose product exists, PAIR_CHUNK at a time; num_read["pairs"] counts every record
-    read (of `files`, or the given `records`: one shard's slice of them)."""
+    read (of `files`, or the given `batches`: one unit of them)."""
     queries: list[str] = []
     rows: list[int] = []
     weights: list[float] = []
     labels: list[str | None] = []
-    for raw, pair in _validated("pairs", files, D.validate_pair, cfg, quarantine, records):
-        num_read["pairs"] += 1
-        if pair is None:
-            continue
-        row = product_row.get(pair.product_id)
-        if row is None:
-            quarantine.add("pairs", raw.source, raw.line, "unknown product_id",
-                           f"product {pair.product_id!r} is not in the catalog (or was quarantined)", raw.raw_text())
-            continue
-        queries.append(pair.query)
-        rows.append(row)
-        weights.append(pair.weight)
-        labels.append(pair.label)
-        if len(queries) == chunk_size:
-            yield PairChunk(queries, np.array(rows, np.int64), np.array(weights, np.float32), labels)
-            queries, rows, weights, labels = [], [], [], []
+    for batch in D.iter_batches(files) if batches is None else batches:
+        num_read["pairs"] += len(batch)
+        valid, rejected = V.validate_pairs(batch, cfg.max_text_chars)
+        found = [product_row.get(product_id) for product_id in valid.product_ids]
+        known = [k for k, row in enumerate(found) if row is not None]
+        for k in (k for k, row in enumerate(found) if row is None):
+            rejected.append(V.Rejected(valid.index[k], "unknown product_id", f"product {valid.product_ids[k]!r} "
+                                       f"is not in the catalog (or was quarantined)"))
+        if len(known) < len(found):
+            found, valid = [found[k] for k in known], valid.subset(known)
+        queries += valid.queries
+        rows += found
+        weights += valid.weights
+        labels += valid.labels
+        _quarantine_batch("pairs", batch, rejected, quarantine)
+        while len(queries) >= chunk_size:
+            yield PairChunk(queries[:chunk_size], np.array(rows[:chunk_size], np.int64),
+                            np.array(weights[:chunk_size], np.float32), labels[:chunk_size])
+            del queries[:chunk_size], rows[:chunk_size], weights[:chunk_size], labels[:chunk_size]
     if queries:
         yield PairChunk(queries, np.array(rows, np.int64), np.array(weights, np.float32), labels)
 
@@ -302,8 +316,11 @@ def spill_pairs(files: Sequence[Path], cfg: DataConfig, product_row: dict[str, i
     labels: set[str] = set()
     spilled, num_valid, num_train = [], 0, 0
     threshold = D.holdout_threshold(cfg.holdout_fraction)
+    known_keys: dict[str, int] = {}  # queries repeat across chunks; bounded like the encoder's memory
     for i, chunk in enumerate(iter_pair_chunks(files, cfg, product_row, quarantine, num_read, PAIR_CHUNK)):
-        keys = D.query_keys(chunk.queries, seed)
+        if len(known_keys) > D.ENCODE_CACHE_TEXTS:
+            known_keys.clear()
+        keys = D.query_keys(chunk.queries, seed, known_keys)
         holdout = keys < threshold
         num_valid += len(chunk)
         num_train += int((~holdout).sum())
@@ -338,6 +355,7 @@ def write_pairs(spilled: SpilledPairs, tokenizer, schema: D.Schema, cfg: DataCon
     product_ids = pa.array(products.ids, pa.string())
     product_buckets = D.bucket_index(products.lengths, cfg.length_buckets)
     num_rows = {"train": spilled.num_train, "holdout": spilled.num_valid - spilled.num_train}
+    encoder = D.TextEncoder(tokenizer, cfg.query_length)
     with contextlib.ExitStack() as stack:
         writers = {side: stack.enter_context(pq.ParquetWriter(stack.enter_context(atomic_path(out / f"{side}_pairs.parquet")),
                                                               D.PAIRS_SCHEMA))
@@ -351,7 +369,7 @@ def write_pairs(spilled: SpilledPairs, tokenizer, schema: D.Schema, cfg: DataCon
                 if not len(rows):
                     continue
                 part = table.take(rows)
-                pairs = _tokenised_pairs(part, tokenizer, schema, cfg, products.class_id)
+                pairs = _tokenised_pairs(part, encoder, schema, products.class_id)
                 writers[side].write_table(D.pairs_table(part.column("query"), product_ids.take(pairs.product_index), pairs))
                 start = stats.num[side]
                 for name, array in arrays[side].items():
@@ -389,9 +407,8 @@ def _pair_arrays(stack: contextlib.ExitStack, out: Path, side: str, rows: int, q
     return arrays
 
 
-def _tokenised_pairs(part: pa.Table, tokenizer, schema: D.Schema, cfg: DataConfig,
-                     product_class: np.ndarray) -> D.Pairs:
-    token_ids, lengths = D.encode_texts(tokenizer, part.column("query").to_pylist(), cfg.query_length)
+def _tokenised_pairs(part: pa.Table, encoder: D.TextEncoder, schema: D.Schema, product_class: np.ndarray) -> D.Pairs:
+    token_ids, lengths = encoder(part.column("query"))
     product_index = part.column("product_index").to_numpy()
     return D.Pairs(queries=[], token_ids=token_ids, lengths=lengths, product_index=product_index,
                    weight=part.column("weight").to_numpy(),
@@ -475,7 +492,7 @@ def validate_inputs(product_files: Sequence[Path], pair_files: Sequence[Path], c
     shutil.rmtree(work, ignore_errors=True)  # a crashed attempt's chunks
     work.mkdir(parents=True)
     quarantine_path = out / "quarantine.jsonl"
-    with atomic_path(quarantine_path) as tmp, open(tmp, "wb") as sink:
+    with atomic_path(quarantine_path) as tmp, open(tmp, "wb") as sink, fewer_gc_passes():
         quarantine = Quarantine(sink)
         products, num_products_read = read_products(product_files, cfg, quarantine)
         spilled = spill_pairs(pair_files, cfg, {p.id: i for i, p in enumerate(products)}, quarantine, work, seed)
@@ -522,6 +539,7 @@ def write_outputs(out: Path, tokenizer_bytes: bytes, schema: D.Schema, products:
 
 
 OUTPUT_NAMES = ("tokenizer.json", "schema.json", "products.parquet", "train_pairs.parquet", "holdout_pairs.parquet",
+                *(D.product_array_path(Path(), name).name for name in D.PRODUCT_ARRAYS),
                 *(D.pair_array_path(Path(), side, name).name for side in ("train", "holdout") for name in D.PAIR_ARRAYS))
 
 
@@ -553,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         report = prepare(args, preset)
     # ---- tracking: this step as a child run of the pipeline's MLflow run (never fails the step).
-    # After prepare() returned, so its data is freed before tracking imports torch (~0.8 GB RSS).
+    # After prepare() returned, so its data is freed before tracking imports mlflow.
     tracking.log_step("prepare", args.run_dir, params={"preset": report["preset"], "seed": report["seed"]},
                       metrics=tracking.flatten(report), config={"data": report["data_config"]})
     return 0

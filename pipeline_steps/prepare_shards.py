@@ -61,7 +61,6 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import numpy as np
-import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -89,7 +88,6 @@ UNIT_SCHEMA = pa.schema([("query", pa.string()), ("product_index", pa.int64()), 
                          ("key", pa.uint64())])
 """A unit's pairs: tokenised, with the label as text (its class id needs the final schema) and the
 query key (distinct queries in the report)."""
-_BOM = b"\xef\xbb\xbf"
 
 
 def shards_dir(run_dir: Path) -> Path:
@@ -140,50 +138,14 @@ def plan_units(files: Sequence[Path], unit_bytes: int | None = None) -> list[dic
     return units
 
 
-class UnitRecords:
-    """The records of one unit in order, as data.iter_records reads them (the same parse and the
-    same quarantine reasons). JSON Lines line numbers count from the unit's first line; `lines` is
-    the number of lines the unit spans once it was read, so the finish can number them in the file."""
-
-    def __init__(self, unit: dict[str, Any]):
-        self.unit = unit
-        self.lines = 0
-
-    def __iter__(self) -> Iterator[D.RawRecord]:
-        return self._parquet() if self.unit["format"] == "parquet" else self._jsonl()
-
-    def _jsonl(self) -> Iterator[D.RawRecord]:
-        source, pos, end = self.unit["source"], self.unit["start"], self.unit["end"]
-        with open(source, "rb") as fh:
-            fh.seek(pos)
-            for data in fh:
-                if pos >= end:
-                    break
-                pos += len(data)
-                self.lines += 1
-                data = data.rstrip(b"\r\n")
-                if self.unit["start"] == 0 and self.lines == 1 and data.startswith(_BOM):
-                    data = data[len(_BOM):]
-                if not data.strip():
-                    continue  # blank lines separate nothing and hold no record
-                try:
-                    value = orjson.loads(data)
-                except orjson.JSONDecodeError as exc:
-                    yield D._quarantined_line(source, self.lines, data, exc)
-                    continue
-                yield D._parsed(source, self.lines, data, value)
-
-    def _parquet(self) -> Iterator[D.RawRecord]:
-        source, row = self.unit["source"], self.unit["first_line"] - 1
-        groups = list(range(self.unit["start"], self.unit["end"]))
-        try:
-            for batch in pq.ParquetFile(source).iter_batches(batch_size=8192, row_groups=groups):
-                for value in batch.to_pylist():
-                    row += 1
-                    yield D.RawRecord(source, row, value)
-        except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:
-            raise BadInputError(f"cannot read Parquet file {source} after row {row}: {exc}; re-export or re-upload "
-                                f"the shard") from None
+def unit_batches(unit: dict[str, Any]) -> D.JsonlBatches | Iterator[D.RecordBatch]:
+    """The records of one unit in batches, read as `prepare` reads whole files (the same parse and
+    quarantine reasons). JSON Lines line numbers count from the unit's first line, and the reader's
+    `lines` is the number of lines the unit spans once read, so the finish can number them in the file."""
+    if unit["format"] == "parquet":
+        return D.parquet_batches(Path(unit["source"]), row_groups=range(unit["start"], unit["end"]),
+                                 first_row=unit["first_line"])
+    return D.JsonlBatches(Path(unit["source"]), start=unit["start"], end=unit["end"])
 
 
 def _unit_order(unit: dict[str, Any]) -> bytes:
@@ -205,7 +167,7 @@ def query_sample(units: Sequence[dict[str, Any]], cfg: DataConfig, product_row: 
         for unit in sorted(units, key=_unit_order):
             if num_read["pairs"] >= max_pairs:
                 break
-            for chunk in P.iter_pair_chunks([], cfg, product_row, quarantine, num_read, records=UnitRecords(unit)):
+            for chunk in P.iter_pair_chunks([], cfg, product_row, quarantine, num_read, batches=unit_batches(unit)):
                 keys = D.query_keys(chunk.queries, seed)
                 sample.update(q for q, key in zip(chunk.queries, keys) if key >= threshold)  # holdout stays unseen
     return sample.texts()
@@ -313,7 +275,7 @@ def write_unit(shards: Path, plan: dict[str, Any], unit: int, tokenizer, product
     for path in paths.values():
         remove_stale_temps(path)
     paths["sidecar"].unlink(missing_ok=True)  # first: a crash below leaves no complete-looking unit
-    records = UnitRecords(plan["units"][unit])
+    batches = unit_batches(plan["units"][unit])
     threshold = D.holdout_threshold(cfg.holdout_fraction)
     num_read: Counter = Counter()
     rows: Counter = Counter()
@@ -325,10 +287,14 @@ def write_unit(shards: Path, plan: dict[str, Any], unit: int, tokenizer, product
         writers = {side: stack.enter_context(pq.ParquetWriter(stack.enter_context(atomic_path(paths[side])),
                                                               UNIT_SCHEMA)) for side in SIDES}
         quarantine = P.Quarantine(sink)
-        for chunk in P.iter_pair_chunks([], cfg, product_row, quarantine, num_read, records=records):
-            keys = D.query_keys(chunk.queries, seed)
+        encoder = D.TextEncoder(tokenizer, cfg.query_length)
+        known_keys: dict[str, int] = {}  # queries repeat across chunks; bounded like the encoder's memory
+        for chunk in P.iter_pair_chunks([], cfg, product_row, quarantine, num_read, batches=batches):
+            if len(known_keys) > D.ENCODE_CACHE_TEXTS:
+                known_keys.clear()
+            keys = D.query_keys(chunk.queries, seed, known_keys)
             holdout = keys < threshold
-            token_ids, lengths = D.encode_texts(tokenizer, chunk.queries, cfg.query_length)
+            token_ids, lengths = encoder(chunk.queries)
             at_max_length += int((lengths >= cfg.query_length).sum())
             labels.update(label for label in chunk.labels if label)
             table = pa.table({"query": pa.array(chunk.queries, pa.string()), "product_index": chunk.product_index,
@@ -338,7 +304,9 @@ def write_unit(shards: Path, plan: dict[str, Any], unit: int, tokenizer, product
                 if mask.any():
                     writers[side].write_table(table.filter(pa.array(mask)))
                     rows[side] += int(mask.sum())
-    meta = {"unit": unit, "plan_id": plan["plan_id"], "read": num_read["pairs"], "lines": records.lines,
+    # Only JSON Lines units need it: a Parquet unit's rows are numbered from the plan's first_line.
+    spanned = batches.lines if isinstance(batches, D.JsonlBatches) else 0
+    meta = {"unit": unit, "plan_id": plan["plan_id"], "read": num_read["pairs"], "lines": spanned,
             "rows": {side: rows[side] for side in SIDES}, "reasons": dict(sorted(quarantine.reasons["pairs"].items())),
             "labels": sorted(labels), "at_max_length": at_max_length,
             "files": {name: sha256_file(paths[name]) for name in (*SIDES, "quarantine")}}

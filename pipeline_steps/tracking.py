@@ -48,6 +48,7 @@ from typing import Any, Iterable, Mapping
 from .contract import INSTANCE_TYPE_ENV, RUN_ID_ENV
 from .errors import ExitCode
 from .fileio import atomic_write_json, read_json
+from .packages import versions  # metadata only: a step that needs no torch never imports it
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +119,6 @@ def data_manifest_hash(run_dir: Path) -> str | None:
 
 def reproducibility(run_dir: Path, environ: Mapping[str, str] = os.environ) -> dict[str, str | None]:
     """The set M5 tracked to make any past run reproducible. Only env and files: no IMDS call."""
-    from .distributed import versions  # the one module that knows the Neuron packages
-
     out: dict[str, str | None] = {
         "git_commit": git_commit(environ),
         "image_uri": environ.get("TRAINING_IMAGE_URI"),

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from benchmarks.bench import bench_prepare
 
 
@@ -12,6 +14,21 @@ def test_bench_prepare_measures_a_prepare_process_and_a_rank(tmp_path):
     result = bench_prepare(tmp_path, 2_000, "tiny")
     assert result["records"] >= 2_000
     for key in ("prepare_records_per_s", "prepare_records_per_cpu_s", "prepare_peak_rss_mb",
-                "train_data_rss_mb_per_rank"):
+                "train_data_rss_mb_per_rank", "train_data_node_rss_growth"):
         assert isinstance(result[key], float) and math.isfinite(result[key]) and result[key] > 0, key
+    # Measured with 1 and with 2 training ranks, each in its own process under torchrun.
+    assert [r["ranks"] for r in result["train_data_rss_by_ranks"]] == [1, 2]
+    assert all(r["node_mb"] >= r["private_mb"] * r["ranks"] for r in result["train_data_rss_by_ranks"])
     assert (tmp_path / "prepare-run" / "prepared" / "prepare.json").is_file()
+
+
+def test_the_measured_peak_rss_is_the_child_s_own_not_the_parent_s():
+    """Linux carries a parent's peak RSS into the rusage of a child it spawns; a small step run
+    from a large process must still report its own small peak."""
+    from benchmarks.bench import _run_measured
+
+    ballast = np.ones(600 * 2**20, dtype=np.uint8)  # 600 MB resident in this (the parent) process
+    _, cpu_s, peak = _run_measured(["--version"])
+    assert ballast.sum() == ballast.size
+    assert cpu_s > 0
+    assert peak < 400 * 2**20

@@ -143,7 +143,7 @@ def test_encode_texts_wraps_truncates_and_pads(prepared):
 
 
 def test_tokenizer_training_is_deterministic(prepared):
-    texts = prepared.products.texts + list(prepared.train.queries)
+    texts = list(prepared.products.texts) + list(prepared.train.queries)
     first = D.train_tokenizer(texts, prepared.data_cfg.vocab_size)
     assert all(D.train_tokenizer(texts, prepared.data_cfg.vocab_size).to_str() == first.to_str() for _ in range(3))
     # "##" pieces are ordinary vocabulary, not special tokens that would split the input text.
@@ -192,3 +192,29 @@ def test_training_pairs_are_memory_mapped_not_copied_per_rank(prepared, tmp_path
         assert isinstance(mapped, np.memmap) and not mapped.flags.writeable, name
         assert np.array_equal(mapped, getattr(parquet, name)), name
     assert list(prepared.train.queries) == parquet.queries and len(prepared.train) == len(parquet)
+
+
+def test_every_rank_memory_maps_the_catalog_instead_of_copying_it(prepared):
+    """The catalog's arrays are file-backed and read-only: the ranks of a node share one copy in
+    the page cache (RSS per rank does not grow with the catalog or the number of ranks)."""
+    run_dir = Path(prepared.tokenizer_path).parents[1]
+    products = D.load_prepared(run_dir).products
+    from_parquet = D.read_products(run_dir / D.PREPARED / "products.parquet", prepared.data_cfg, prepared.schema)
+    for name in D.PRODUCT_ARRAYS:
+        array = getattr(products, name)
+        assert isinstance(array, np.memmap) and not array.flags.writeable, name
+        np.testing.assert_array_equal(array, getattr(from_parquet, name))
+    assert list(products.ids) == from_parquet.ids and list(products.texts) == from_parquet.texts
+    assert len(products) == len(from_parquet.ids)
+
+
+def test_a_text_encoder_remembers_texts_across_calls_without_changing_their_rows():
+    tokenizer = D.train_tokenizer(["grey sofa", "oak table", "blue lamp"] * 3, 64)
+    calls = [["grey sofa", "oak table", "grey sofa"], ["oak table", "blue lamp", "red chair"], ["grey sofa"]]
+    for capacity in (0, 2, 100):
+        encoder = D.TextEncoder(tokenizer, 6, capacity=capacity)
+        for texts in calls:
+            got, expected = encoder(texts), D.encode_texts(tokenizer, texts, 6)
+            np.testing.assert_array_equal(got[0], expected[0])
+            np.testing.assert_array_equal(got[1], expected[1])
+        assert len(encoder._row) == min(capacity, 4)

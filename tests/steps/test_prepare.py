@@ -281,3 +281,14 @@ def test_pairs_are_streamed_in_chunks_without_changing_the_result(tmp_path, monk
     for name in ("tokenizer.json", "schema.json", "products.parquet", "quarantine.jsonl", *arrays):
         assert (tmp_path / "chunked" / "prepared" / name).read_bytes() == (tmp_path / "whole" / "prepared" / name).read_bytes()
     assert not (tmp_path / "chunked" / "prepared" / "_work").exists()
+
+
+def test_prepare_never_imports_torch(tmp_path):
+    """Prepare needs no torch; importing it (its tracking hook once did) costs ~0.9 GB of RSS."""
+    probe = ("import sys; from pipeline_steps.__main__ import main\n"
+             f"assert main(['prepare', '--run-dir', {str(tmp_path / 'run')!r}, '--demo']) == 0\n"
+             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"

@@ -196,8 +196,9 @@ def test_units_cover_every_line_once_whatever_the_line_lengths(tmp_path):
     assert all(a["end"] == b["start"] for a, b in zip(units, units[1:]))
     records, offset = [], 0
     for unit in units:
-        reader = S.UnitRecords(unit)
-        records += [(r.line + offset, r.value, r.reason) for r in reader]
+        reader = S.unit_batches(unit)
+        for batch in reader:
+            records += [(r.line + offset, r.value, r.reason) for r in map(batch.raw_record, range(len(batch)))]
         offset += reader.lines
     expected = [(r.line, r.value, r.reason) for r in D.iter_records([path])]
     assert records == expected and offset == len(lines)
