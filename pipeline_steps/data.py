@@ -1,25 +1,13 @@
 """The data layer: input records -> validated records -> tokenised arrays -> static-shape batches.
 
-Input (what `prepare` reads; JSON Lines `*.jsonl`/`*.ndjson` or Parquet `*.parquet`, a file or a
-directory of shards; directories are read recursively in sorted order, files whose path has a part
-starting with "." or "_" such as `_SUCCESS` are skipped):
-    product: {"id": str, "title": str, "description": str?, "numeric": {name: number}?,
-              "categorical": {name: str}?, "category": str?}
-    pair:    {"query": str, "product_id": str, "weight": number > 0?, "label": str?}
-`category` is the product's class for the auxiliary head; a pair's `label` overrides it. Unknown
-extra fields are ignored (forward compatibility). `prepare --data DIR` reads every entry of DIR
-whose name starts with "products" (e.g. DIR/products/part-*.jsonl) and with "pairs".
+Reads JSON Lines (`*.jsonl`, `*.ndjson`) or Parquet, a file or a directory of shards (recursively,
+sorted; paths with a part starting with "." or "_", such as `_SUCCESS`, are skipped). The record
+schemas, the quarantine reasons and the prepared files are in docs/data.md.
+`TrainBatches` (training: bucketed, static shapes, sharded per rank, seeded order) and
+`text_batches` (inference: every row once, sorted by length) index pre-tokenised numpy arrays, so
+a batch is a few vectorised gathers.
 
-Prepared data (what `prepare` writes under RUN_DIR/prepared/ and `load_prepared` reads):
-    tokenizer.json, schema.json, products.parquet, train_pairs.parquet, holdout_pairs.parquet,
-    products.<column>.npy and <side>_pairs.<column>.npy (the columns training memory-maps), quarantine.jsonl,
-    prepare.json (written last: its status "ok" marks a complete set).
-
-Batches: `TrainBatches` (training: bucketed, static shapes, sharded per rank, seeded order) and
-`text_batches` (inference: every row once, sorted by length). Both index pre-tokenised numpy
-arrays, so a batch costs a few vectorised gathers and no Python loop over tokens.
-
-This is a library; the step is `python -m pipeline_steps prepare --run-dir DIR --demo`.
+A library; the step is `python -m pipeline_steps prepare --run-dir DIR --demo`.
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """Device and world, resolved once: the only module that touches torch_xla / torch-neuronx.
 
-Backends
-- `cpu`:  eager PyTorch; multi-process DDP over `gloo` under torchrun.
-- `cuda`: eager PyTorch; multi-process DDP over `nccl` under torchrun.
-- `xla`:  PyTorch/XLA. On Trainium (torch-neuronx installed, `PJRT_DEVICE=NEURON`) this is the
-          production path; locally it runs on PJRT's CPU client (`PJRT_DEVICE=CPU`, single process:
-          torch-xla's CPU backend cannot run multi-process collectives, pytorch/xla#5005).
-          Multi-worker XLA uses `init_process_group("xla")` and `xm.reduce_gradients` (gradient
-          all-reduce), without the DDP wrapper, as Neuron recommends.
+Backends: `cpu` (eager, DDP over gloo under torchrun), `cuda` (eager, DDP over nccl) and `xla`
+(PyTorch/XLA: Trainium with torch-neuronx and PJRT_DEVICE=NEURON; locally PJRT's CPU client in one
+process). Multi-worker XLA averages gradients with an explicit `reduce_gradients` after backward,
+without the DDP wrapper; `PIPELINE_GRAD_REDUCE=allreduce` runs eager training the same way, so the
+XLA step order is testable with gloo (docs/training.md).
 
-Gradient reduction: DDP averages gradients inside backward; XLA averages them in an explicit
-`reduce_gradients` call after backward. The trainer calls `reduce_gradients` before it clips, so
-both clip the averaged gradients. `PIPELINE_GRAD_REDUCE=allreduce` runs eager multi-process training
-the XLA way (no DDP wrapper, an explicit all-reduce average), so the XLA step order can be tested
-with gloo on any machine.
-
-Everything else in the package calls the functions here and never imports torch_xla itself, so
-the package imports (and the eager backends run) where torch_xla is not installed, and a native
-Neuron backend can replace the XLA path in one place.
+Everything else calls the functions here and never imports torch_xla, so the package imports and
+the eager backends run where torch_xla is not installed.
 """
 
 from __future__ import annotations

@@ -1,29 +1,14 @@
 """Step `prepare`: validate the input records, train (or reuse) the tokenizer, split a holdout by
-query, and write pre-tokenised static-shape inputs for training, validation and inference.
+query, and write the pre-tokenised static-shape inputs of training, validation and inference to
+RUN_DIR/prepared/ (files and formats: docs/data.md, "Outputs"; prepare.json is written last).
 
-Reads: product and pair records (JSON Lines / Parquet; files or directories of shards; schema in
-`pipeline_steps.data`), from `--data DIR` (DIR/products*/ + DIR/pairs*), `--products PATH --pairs
-PATH`, or `--demo` (the bundled demo data, generated into RUN_DIR/input/ first).
-With `--init-from RUN_DIR_OR_CHECKPOINT`: the previous run's tokenizer and schema, reused unchanged.
+Exit codes: 0 ok; 65 a missing or empty input, or more than --max-bad-fraction quarantined;
+75 the upload is still incomplete on FSx after --upload-timeout; 78 a bad flag value.
 
-Writes RUN_DIR/prepared/ (each file atomically; prepare.json last, its status "ok" marks a
-complete set, and it is removed first so a crash never leaves an old "ok" beside new files):
-    tokenizer.json, schema.json, products.parquet, train_pairs.parquet, holdout_pairs.parquet,
-    products.<column>.npy, <side>_pairs.<column>.npy (the catalog and pair columns, memory-mapped
-    by every training rank),
-    quarantine.jsonl  {"kind", "source", "line", "reason", "detail", "record"} per bad record,
-    prepare.json      counts per reason, fractions, input checksums, seed, data config.
-
-Exit codes: 0 ok; 65 (bad input) when the input is missing/empty or more than --max-bad-fraction
-of the products or of the pairs is quarantined; 75 (retryable) when the upload is still incomplete
-on FSx after --upload-timeout; 78 for a bad flag value or a --init-from tokenizer larger than the
-preset's vocabulary.
-
-Local:    python -m pipeline_steps prepare --run-dir runs/demo --demo --preset tiny
-AWS:      python -m pipeline_steps prepare --phase plan --run-dir /fsx/runs/RUN --data /fsx/data/incoming/DS/VERSION
-          --preset base [--init-from /fsx/runs/PREVIOUS_RUN], then --phase shard on every child of an array
-          job and --phase finish: the same outputs, the work spread over the children (prepare_shards.py)
-Memory: the catalog plus one chunk of pairs (they are streamed; see docs/data.md, "Scale").
+Local:  python -m pipeline_steps prepare --run-dir runs/demo --demo --preset tiny
+AWS:    --phase plan, then --phase shard on every child of an array job, then --phase finish
+        (prepare_shards.py): the same outputs, the work spread over the children.
+Memory: the catalog plus one chunk of pairs (docs/data.md, "Scale").
 """
 
 from __future__ import annotations

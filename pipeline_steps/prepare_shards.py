@@ -1,48 +1,15 @@
-"""`prepare` as an AWS Batch array job: `--phase plan`, then `--phase shard` on every array child,
-then `--phase finish`. The result is the same RUN_DIR/prepared/ a single `prepare` writes.
-
-plan    (one job) reads the inputs' checksums, validates the catalog, trains the tokenizer (or reuses
-        it: --init-from / --pretrained) and cuts the pair inputs into units: byte ranges of about
-        UNIT_BYTES of whole lines (JSON Lines) or row groups (Parquet). The units depend on the
-        input only, never on the shard count.
-shard   (array child i of n) validates and tokenises the units [i*U//n, (i+1)*U//n), each into
-        its own files, and marks each unit complete with a sidecar written last.
-finish  (one job) checks every unit, merges the counts and the quarantine, applies
-        --max-bad-fraction (exit 65 naming the input files), fixes the schema's classes, assembles
-        the pair files in unit order and writes prepare.json last.
-
-Because every unit's output depends on the unit alone and the finish reads them in unit order, any
-shard count gives byte-identical outputs: the same kept records in the same order, the same
-quarantine (line numbers included) and the same holdout split.
-
-Reads   the inputs of `prepare` (--data / --products --pairs / --demo; flags as there) in the plan.
-Writes  RUN_DIR/prepared/_shards/
-            plan.json (written last by the plan; plan_id = sha256 of its content), tokenizer.json,
-            schema.json (the catalog's classes), products.parquet, quarantine.products.jsonl,
-            units/unit-000012.{train,holdout}.parquet   validated, tokenised pairs of unit 12
-            units/unit-000012.quarantine.jsonl          its bad records (lines counted in the unit)
-            units/unit-000012.json                      sidecar: counts, reasons, labels, sha256s
-        RUN_DIR/prepared/ as `prepare` writes it (the finish); units/ is then removed.
-
-Idempotent and resumable: a unit whose sidecar names the current plan and whose files match their
-sha256 is skipped; anything else (a killed writer's temp file, a sidecar of another plan, a
-modified file) is redone. A rerun of the finish after success (same plan) only logs.
-
-The schema's classes: a pair's label adds a class, and no child sees every label. The plan's
-schema holds the catalog's categories; each unit stores its pairs' labels as text and lists them in
-its sidecar; the finish sorts the union into the final classes (as a single prepare does) and
-computes the class ids while it assembles the pairs. With --init-from the schema stays as it was.
-
-The tokenizer sample: the plan validates whole units in an order fixed by a hash of their names
-until PLAN_SAMPLE_PAIRS pair records are read, and keeps the TOKENIZER_SAMPLE // 2 distinct
-training queries with the smallest hash (with the catalog's texts, as `prepare`). For an input of
-at most PLAN_SAMPLE_PAIRS pairs that is the tokenizer of a single `prepare`.
+"""`prepare` as an AWS Batch array job, in three phases that write the same RUN_DIR/prepared/ as a
+single `prepare`: the plan (checksums, the catalog, the tokenizer trained once, the pair input cut
+into units that depend on the input only), one shard per array child (validates and tokenises its
+units, each into its own files, with a sidecar written last), and the finish (merges the counts and
+the quarantine, applies --max-bad-fraction, fixes the classes and assembles the outputs in unit
+order). Any shard count gives byte-identical outputs; finished units are skipped on a rerun.
+How and why: docs/data.md, "Scale: prepare as an array job".
 
 Local:  python -m pipeline_steps prepare --phase plan --run-dir runs/r1 --data path/to/upload --preset small
         python -m pipeline_steps prepare --phase shard --run-dir runs/r1 --shard-index 0 --shard-count 4  (x4)
         python -m pipeline_steps prepare --phase finish --run-dir runs/r1
-AWS:    the Prepare, PrepareShards (array, size = the execution input's prepare_shards) and
-        PrepareFinish states of the pipeline (docs/orchestration.md).
+AWS:    the Prepare, PrepareShards (array) and PrepareFinish states (docs/orchestration.md).
 """
 
 from __future__ import annotations
@@ -158,7 +125,8 @@ def _unit_order(unit: dict[str, Any]) -> bytes:
 
 def query_sample(units: Sequence[dict[str, Any]], cfg: DataConfig, product_row: dict[str, int], seed: int,
                  max_pairs: int = PLAN_SAMPLE_PAIRS) -> list[str]:
-    """The training queries the tokenizer learns from (see the module docstring)."""
+    """The training queries the tokenizer learns from: whole units, in an order fixed by a hash of
+    their names, until `max_pairs` pair records are read (docs/data.md, "The tokenizer is trained once")."""
     sample = D.TextSample(P.TOKENIZER_SAMPLE // 2)
     threshold = D.holdout_threshold(cfg.holdout_fraction)
     num_read: Counter = Counter()

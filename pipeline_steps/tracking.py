@@ -1,35 +1,14 @@
 """Experiment tracking (MLflow): one MLflow run per pipeline run, a child run per step.
 
-Every step calls `log_step(...)` once when it has written its outputs (a few lines per step, see
-the `# ---- tracking` blocks); run-local calls `log_pipeline(...)` with its report.
+Every step calls `log_step(...)` once it has written its outputs; the step that ends the pipeline
+closes the parent run (`log_pipeline`: export on success, `validate --gate-report-only` on a
+rejected model, `log_failure` on a failure Batch does not retry, run-local at its end). Each child
+run gets the step's params and metrics and the reproducibility set (`reproducibility()`).
+Runs go to MLFLOW_TRACKING_URI when set, otherwise to a file store DIR/mlruns in the run dir.
 
-The parent run is closed where the pipeline ends (`log_pipeline`), by the process that knows it:
-- success: the `export` step with `--run-dir` (the last Batch job on AWS) -> FINISHED, gate metrics;
-- a model the gate rejects: `validate --gate-report-only` -> FINISHED, tag pipeline.outcome=model_rejected;
-- a step that fails with an exit code Batch does not retry (anything but 75): `log_failure` -> FAILED,
-  tag pipeline.failed_step (the state machine then takes its failure path: no later step runs);
-- run-local: its report, at the end.
-A run that dies without its process reporting (host loss, attempt timeout, 75 after the last retry)
-stays RUNNING; the failure notification and the execution history name the step. Each child run
-gets the step's params and metrics plus the reproducibility set (`reproducibility()`): git commit,
-package versions (torch, torch-xla, torch-neuronx, neuronx-cc), image URI/digest, instance type,
-node count, world size, the data manifest hash (prepare.json `input_sha256`) and the resolved
-config (flattened params + a config.json artifact).
-
-Where runs go
-- `MLFLOW_TRACKING_URI` when set (on AWS the job definition sets it from the stage config: the
-  SageMaker managed MLflow tracking server ARN, which needs the `sagemaker-mlflow` plugin, or any
-  MLflow URI).
-- otherwise a file store inside the run dir, DIR/mlruns (no server). MLflow 3 keeps the file
-  store in maintenance mode behind MLFLOW_ALLOW_FILE_STORE=true, which we set for this default.
-  Browse it with `mlflow ui --backend-store-uri DIR/mlruns` (full `mlflow` package).
-Experiment: `MLFLOW_EXPERIMENT_NAME`, default "trainium-embeddings". The parent run is named after
-the pipeline run id (the run dir's name, = the Step Functions execution name on AWS) and tagged
-`pipeline.run_id`; its MLflow id is kept in DIR/mlflow.json so every later step finds it.
-
-Tracking never breaks a step: mlflow missing, an unreachable server or any tracking error logs
-ONE warning and the step carries on (everything is in the run dir anyway). Only the process that
-owns the step's outputs logs: global rank 0 under torchrun, the main node of a multi-node job.
+Tracking never breaks a step: any tracking error logs one warning and the step carries on. Only
+the process that owns the step's outputs logs (global rank 0). Details: docs/operations.md,
+"Experiment tracking (MLflow)".
 """
 
 from __future__ import annotations
