@@ -19,7 +19,7 @@ from aws_cdk import aws_sns as sns
 from aws_cdk import aws_stepfunctions as sfn
 from constructs import Construct
 
-from pipeline_steps.contract import HEARTBEAT_NAMESPACE, PIPELINE_STEPS, RUN_ID_PARAMETER, RUNS_PREFIX
+from pipeline_steps.contract import GATE_REPORT, HEARTBEAT_NAMESPACE, PIPELINE_STEPS, RUN_ID_PARAMETER, run_key
 from stacks.constructs.input_checks import input_checks, input_rules
 from stacks.constructs.pipeline_states import PipelineStates
 from stacks.constructs.prepare_states import SHARDS_FIELD, array_submit, prepare_submit
@@ -36,7 +36,7 @@ BATCH_API_ERRORS: tuple[str, ...] = (
     "Batch.ServerException",
     "Batch.TooManyRequestsException",
 )
-GATE_KEY_PATTERN = f"{RUNS_PREFIX}*/validation/gate.json"
+GATE_KEY_PATTERN = run_key("*", GATE_REPORT)
 UNDELIVERED_NAMESPACE = f"{HEARTBEAT_NAMESPACE}/Pipeline"
 
 
@@ -207,8 +207,8 @@ class TrainingPipeline(Construct):
             # the decision is data for the Choice) and uploads gate.json to gate_s3_uri itself,
             # because the FSx auto-export to S3 is asynchronous.
             return {"Parameters": {
-                "gate_s3_uri.$": ("States.Format('s3://" + self._bucket.bucket_name + "/" + RUNS_PREFIX
-                                  + "{}/validation/gate.json', $.run_id)"),
+                "gate_s3_uri.$":
+                    f"States.Format('s3://{self._bucket.bucket_name}/{run_key('{}', GATE_REPORT)}', $.run_id)",
                 "previous_metrics.$": "$.run.previous_metrics",
             }}
         if step.name == "Embed":
