@@ -21,6 +21,7 @@ import logging
 
 from . import distributed as dist_lib, tracking
 from .config import to_dict
+from .contract import COMPILE_CACHE_DIR, TRAIN_METRICS
 from .heartbeat import Heartbeat
 from .model import count_parameters
 from .trainer import Trainer, add_train_args, resolve_train_config, run_training
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     world = dist_lib.init(args.backend or dist_lib.default_backend())
     try:
         if world.is_xla:
-            cache = args.run_dir / "compile" / "xla_cache"
+            cache = args.run_dir / COMPILE_CACHE_DIR
             if cache.exists():
                 dist_lib.initialize_compile_cache(world, str(cache))
         trainer = Trainer(args.run_dir, args.preset, cfg, world, init_from=args.init_from)
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                 "train", args.run_dir, params={"preset": args.preset, "backend": world.backend,
                                                "world_size": world.world_size, "init_from": args.init_from},
                 metrics=tracking.flatten(summary), config={"train": to_dict(cfg)},
-                history=tracking.jsonl_history(args.run_dir / "train" / "metrics.jsonl", STREAMED_METRICS))
+                history=tracking.jsonl_history(args.run_dir / TRAIN_METRICS, STREAMED_METRICS))
     finally:
         dist_lib.shutdown()
     return 0
