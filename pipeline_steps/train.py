@@ -3,15 +3,12 @@
 Reads   DIR/prepared/ (from `prepare`), DIR/checkpoints/ (to resume), --init-from (incremental).
 Writes  DIR/checkpoints/step-*.pt (+ manifest), DIR/train/metrics.jsonl (one line per step),
         DIR/train/summary.json, DIR/train/xla.json (graph accounting, xla backend).
+A rerun with the same run dir resumes from the newest valid checkpoint (docs/training.md, "Resume").
 
 Local:     python -m pipeline_steps train --run-dir runs/demo --preset tiny --backend cpu
 DDP (CPU): torchrun --standalone --nproc_per_node 2 -m pipeline_steps train --run-dir runs/demo --preset tiny
 XLA (CPU): PJRT_DEVICE=CPU python -m pipeline_steps train --run-dir runs/demo --preset tiny --backend xla
 Trainium:  torchrun $TORCHRUN_ARGS -m pipeline_steps train --run-dir /fsx/runs/$RUN_ID --preset base --backend xla --bf16
-
-A rerun with the same run dir resumes from the newest valid checkpoint and ends with the same
-weights as an uninterrupted run (eager backends: dropout is reseeded from (seed, rank, step) and
-the data order is a function of (seed, epoch), so neither depends on where a run was cut).
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """The trainer: model, optimizer, schedule and data of one run, its training step and its loop.
 
-The `train` step builds a `Trainer` and calls `run_training` (its docstring has the commands);
-`compile` and benchmarks/bench.py drive the same trainer.
-
-XLA discipline: every batch has one of a few static shapes (one per length bucket), the AdamW
-state is materialised before the first step so step 1 and step N trace the same graph, one
-`mark_step` per step (forward, backward, all-reduce, clip and update in one graph), and no host
-read inside the step: a non-finite loss sets a device flag that skips the update in the graph, and
-the loop reads each step's loss one step later, while the device runs the next step.
+The `train` step (pipeline_steps/train.py has the commands) builds a `Trainer` and calls
+`run_training`; `compile` and benchmarks/bench.py drive the same trainer. Its XLA discipline (static
+shapes, one graph per step, no host read inside it) is docs/training.md, "Static shapes, measured".
 """
 
 from __future__ import annotations
