@@ -413,7 +413,8 @@ def follow(ctx: Context, target: dict[str, Any], token: str, interval: float, *,
 def cmd_buckets(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
     data, artifacts = ctx.bucket("DataBucketName"), ctx.bucket("ArtifactsBucketName")
     return {"data_bucket": data, "artifacts_bucket": artifacts,
-            "upload_to": f"s3://{data}/{INCOMING_PREFIX}<dataset>/<version>/", "runs": f"s3://{artifacts}/{RUNS_PREFIX}",
+            "upload_to": f"s3://{data}/{INCOMING_PREFIX}<dataset>/<version>/",
+            "runs": f"s3://{artifacts}/{RUNS_PREFIX}",
             "current_model": f"s3://{artifacts}/models/current.json"}
 
 

@@ -114,7 +114,8 @@ SINGLE_NODE_STEPS: Mapping[str, tuple[list[str], dict[str, str]]] = {
     # asynchronous: the pointer written after this job names an export that is complete in S3.
     # --run-dir: the last Batch job of a run that passed the gate closes the run's MLflow run.
     "export": (
-        ["export", "--run-dir", RUN_DIR, "--checkpoint", RUN_DIR, "--out", f"{RUN_DIR}/{EXPORT_DIR}", "--s3-uri", "Ref::export_s3_uri"],
+        ["export", "--run-dir", RUN_DIR, "--checkpoint", RUN_DIR, "--out", f"{RUN_DIR}/{EXPORT_DIR}",
+         "--s3-uri", "Ref::export_s3_uri"],
         {"export_s3_uri": ""},
     ),
     # The canary: node-local sanity on the small instance type, outside the exported /fsx/runs.
