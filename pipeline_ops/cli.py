@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 
 from pipeline_steps import cost as cost_lib
 from pipeline_steps.completion import autocomplete, version_line
-from pipeline_steps.contract import FSX_DATA, FSX_RUNS, INCOMING_PREFIX
+from pipeline_steps.contract import CHECKPOINTS_DIR, FSX_DATA, INCOMING_PREFIX, RUNS_PREFIX, run_path
 
 from . import runs as R
 
@@ -299,7 +299,7 @@ def cmd_start(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
         # A bare run id means that run's dir (checkpoint.resolve picks its newest verified checkpoint);
         # "" trains from scratch.
         base = args.base_model
-        run_input["init_from"] = base if (not base or "/" in base) else f"{FSX_RUNS}/{base}"
+        run_input["init_from"] = base if (not base or "/" in base) else run_path(base)
     for key, value in (("num_nodes", args.nodes), ("share", args.share), ("priority", args.priority),
                        ("embed_shards", args.embed_shards), ("prepare_shards", args.prepare_shards)):
         if value is not None:
@@ -413,7 +413,8 @@ def follow(ctx: Context, target: dict[str, Any], token: str, interval: float, *,
 def cmd_buckets(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
     data, artifacts = ctx.bucket("DataBucketName"), ctx.bucket("ArtifactsBucketName")
     return {"data_bucket": data, "artifacts_bucket": artifacts,
-            "upload_to": f"s3://{data}/incoming/<dataset>/<version>/", "runs": f"s3://{artifacts}/runs/",
+            "upload_to": f"s3://{data}/{INCOMING_PREFIX}<dataset>/<version>/",
+            "runs": f"s3://{artifacts}/{RUNS_PREFIX}",
             "current_model": f"s3://{artifacts}/models/current.json"}
 
 
@@ -634,7 +635,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="incoming/<dataset>/<version>/ (a key in the stage's data bucket), "
                             f"s3://<data bucket>/incoming/<dataset>/<version>/ or {FSX_DATA}/incoming/<dataset>/<version>")
     start.add_argument("--base-model", default=None,
-                       help=f"run id, {FSX_RUNS}/<run>[/checkpoints/...] to start from ('' = from scratch; "
+                       help=f"run id, {run_path('<run>')}[/{CHECKPOINTS_DIR}/...] to start from ('' = from scratch; "
                             "default: the published model)")
     start.add_argument("--nodes", type=_positive_int, default=None, help="nodes for sanity/compile/train")
     start.add_argument("--share", default=None, help="fair-share identifier (production | experiments)")

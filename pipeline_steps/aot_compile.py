@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from . import distributed as dist_lib
+from .contract import COMPILE_CACHE_DIR, COMPILE_DIR, COMPILE_REPORT, PREPARED_DIR
 from .errors import EXIT_CODE_FILE_ENV, BadConfigError, ExitCode, RetryableError, StepError
 from . import tracking
 from .fileio import atomic_write_json
@@ -40,11 +41,11 @@ _COMPILE_ONLY.add_argument("--steps", type=int, default=10, help="training steps
 
 def trial_dir(run_dir: Path) -> Path:
     """A run dir that shares `prepared/` with the real one but keeps the trial's checkpoints apart."""
-    trial = run_dir / "compile" / "trial"
+    trial = run_dir / COMPILE_DIR / "trial"
     if trial.exists():
         shutil.rmtree(trial)
     trial.mkdir(parents=True)
-    (trial / "prepared").symlink_to((run_dir / "prepared").resolve(), target_is_directory=True)
+    (trial / PREPARED_DIR).symlink_to((run_dir / PREPARED_DIR).resolve(), target_is_directory=True)
     return trial
 
 
@@ -118,7 +119,7 @@ def compile_on_neuron(args: argparse.Namespace, train_argv: list[str]) -> dict[s
 
 def compile_locally(args: argparse.Namespace) -> dict[str, Any]:
     world = dist_lib.init("xla")
-    dist_lib.initialize_compile_cache(world, str(args.run_dir / "compile" / "xla_cache"))
+    dist_lib.initialize_compile_cache(world, str(args.run_dir / COMPILE_CACHE_DIR))
     cfg = dataclasses.replace(resolve_train_config(args), max_steps=0)
     trial = trial_dir(args.run_dir)
     started = time.monotonic()
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     add_train_args(parser)
     args = parser.parse_args(argv)
     backend = args.backend or dist_lib.default_backend()
-    out = args.run_dir / "compile" / "compile.json"
+    out = args.run_dir / COMPILE_REPORT
     if backend != "xla":
         report: dict[str, Any] = {"mode": "skipped", "reason": f"backend {backend} runs eagerly: nothing to compile"}
         log.info("compile: %s", report["reason"])

@@ -23,6 +23,7 @@ import torch
 
 from . import fileio
 from .config import ModelConfig, from_dict
+from .contract import CHECKPOINTS_DIR
 from .errors import BadInputError
 from .model import EmbeddingModel
 
@@ -34,7 +35,6 @@ FORMAT_VERSION = 1
 "rng": rng_state(), "config": {"preset", "model", "data", "train"}, "tokenizer": {"sha256", "json"},
 "schema": dict, "extra": dict}."""
 
-CHECKPOINT_SUBDIR = "checkpoints"
 _NAME = re.compile(r"^step-(\d{9,})\.(pt|json)$")
 _TEMP_GLOB = ".step-*.tmp"  # fileio.atomic_path's temporary names for our files
 
@@ -45,7 +45,7 @@ _verified: dict[str, tuple[int, int, str]] = {}
 
 
 def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
-    return Path(run_dir) / CHECKPOINT_SUBDIR
+    return Path(run_dir) / CHECKPOINTS_DIR
 
 
 def checkpoint_path(run_dir: str | os.PathLike, step: int) -> Path:

@@ -1,10 +1,11 @@
 """The contract between the infrastructure (stacks/), the image (training_image/) and the steps.
 
 Every fact two of those layers must agree on is written here once: the pipeline's steps, the FSx
-paths, the exit codes, the environment the job definitions set, the heartbeat metric names, the
-Trainium instance table and the AWS values the stage configs check. Pure Python, no torch:
-`cdk synth` imports it (through stacks/config.py) on machines without torch. The entrypoint
-(shell) keeps literal copies; tests/infra/test_training_image.py pins them against this module.
+paths, the run directory's layout, the exit codes, the environment the job definitions set, the
+heartbeat metric names, the Trainium instance table and the AWS values the stage configs check.
+Pure Python, no torch: `cdk synth` imports it (through stacks/config.py) on machines without torch.
+The copies that cannot import it are pinned by tests: the entrypoint's (shell) by
+tests/infra/test_training_image.py, the README's tables by tests/steps/test_contract.py.
 """
 
 from __future__ import annotations
@@ -71,6 +72,51 @@ INCOMING_PREFIX = "incoming/"
 """Key prefix of uploads in the data bucket (PipelineConfig.incoming_prefix's default)."""
 FSX_INCOMING = f"{FSX_DATA}/{INCOMING_PREFIX.rstrip('/')}"
 """Uploads as the steps see them: FSX_INCOMING/<dataset>/<version>."""
+
+# ---- The run directory ---------------------------------------------------------------------------
+# Paths inside one run directory (FSX_RUNS/<run id> on AWS, any DIR locally), relative to it: what a
+# step writes and a later step, the state machine or an operator reads. The artifacts bucket holds
+# them under RUNS_PREFIX<run id>/ (FSx auto-export; validate and export also upload theirs).
+
+PREPARED_DIR = "prepared"
+"""prepare's outputs (tokenizer, catalog, pairs): every later step reads them."""
+PREPARE_REPORT = f"{PREPARED_DIR}/prepare.json"
+"""Written last by prepare; its status "ok" marks a complete set."""
+COMPILE_DIR = "compile"
+COMPILE_REPORT = f"{COMPILE_DIR}/compile.json"
+"""compile's report (graphs traced, shapes); run-local reads it."""
+COMPILE_CACHE_DIR = f"{COMPILE_DIR}/xla_cache"
+"""The graphs compile traces and train (backend xla) reuses."""
+CHECKPOINTS_DIR = "checkpoints"
+"""train's step-<n>.pt + manifests; the published pointer's checkpoint_s3_uri is its S3 copy."""
+TRAIN_DIR = "train"
+TRAIN_METRICS = f"{TRAIN_DIR}/metrics.jsonl"
+"""One line per optimizer step; train's MLflow curves come from it."""
+TRAIN_SUMMARY = f"{TRAIN_DIR}/summary.json"
+"""train's final numbers (loss, tokens/s, checkpoint); run-local and parity read it."""
+VALIDATION_DIR = "validation"
+VALIDATION_METRICS = f"{VALIDATION_DIR}/metrics.json"
+"""validate's metrics: the next run's --previous-metrics once this run's model is published."""
+GATE_REPORT = f"{VALIDATION_DIR}/gate.json"
+"""validate's gate decision; the state machine reads its S3 copy (run_key(run id, GATE_REPORT))."""
+EMBEDDINGS_DIR = "embeddings"
+"""embed's parquet shards and manifest; the published pointer's embeddings_uri."""
+EMBEDDINGS_MANIFEST = "manifest.json"
+"""In embed's output directory (EMBEDDINGS_DIR unless --out), written once every shard is done."""
+EXPORT_DIR = "export"
+"""export's sentence-transformers folders; uploaded to run_key(run id, EXPORT_DIR) + "/"."""
+
+
+def run_path(run_id: str, *parts: str) -> str:
+    """FSX_RUNS/<run_id>[/parts]: a run directory, or a path in it, as the Batch jobs see it.
+    `run_id` may be a placeholder: "Ref::run_id" (job definitions), "{}" (States.Format)."""
+    return "/".join((FSX_RUNS, run_id, *parts))
+
+
+def run_key(run_id: str, *parts: str) -> str:
+    """RUNS_PREFIX<run_id>/parts: the same path's key in the artifacts bucket."""
+    return RUNS_PREFIX + "/".join((run_id, *parts))
+
 
 # ---- Exit codes ----------------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import distributed
+from .contract import EMBEDDINGS_DIR, EMBEDDINGS_MANIFEST
 from .errors import BadInputError, RetryableError
 from . import tracking
 from .fileio import atomic_path, atomic_write_json, read_json, sha256_file
@@ -183,9 +184,9 @@ def build_manifest(out_dir: Path, catalog_ids: Sequence[str], shard_count: int, 
                    for m in metas],
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
-    atomic_write_json(out_dir / "manifest.json", manifest)
+    atomic_write_json(out_dir / EMBEDDINGS_MANIFEST, manifest)
     log.info("manifest: %d shards, %d embeddings of dim %d -> %s", shard_count, manifest["total_count"],
-             manifest["embedding_dim"], out_dir / "manifest.json")
+             manifest["embedding_dim"], out_dir / EMBEDDINGS_MANIFEST)
     return manifest
 
 
@@ -202,7 +203,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--shard-index", type=int, default=None, help="default: $AWS_BATCH_JOB_ARRAY_INDEX or 0")
     parser.add_argument("--shard-count", type=int, default=None, help="default: $AWS_BATCH_JOB_ARRAY_SIZE or 1")
     parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
-    parser.add_argument("--out", type=Path, default=None, help="output directory (default: RUN_DIR/embeddings)")
+    parser.add_argument("--out", type=Path, default=None, help=f"output directory (default: RUN_DIR/{EMBEDDINGS_DIR})")
     parser.add_argument("--merge-manifest-only", action="store_true",
                         help="only check every shard and (re)write manifest.json (after an array job)")
     args = parser.parse_args(argv)
@@ -217,7 +218,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from .data import load_prepared
 
     run_dir: Path = args.run_dir
-    out_dir: Path = args.out or run_dir / "embeddings"
+    out_dir: Path = args.out or run_dir / EMBEDDINGS_DIR
     prepared = load_prepared(run_dir)
     catalog_ids = list(prepared.products.ids)
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .config import ModelConfig, from_dict
+from .contract import GATE_REPORT
 from .errors import BadConfigError, BadInputError
 from .fileio import fsync_dir, sha256_file
 
@@ -254,12 +255,12 @@ def upload(out: Path, s3_uri: str) -> list[str]:
 
 def finish_pipeline_run(run_dir: Path, report: dict[str, Any], out: Path, s3_uri: str | None) -> None:
     """The export's child run, then the pipeline's MLflow run closed as FINISHED with the gate's
-    metrics (validation/gate.json): on AWS the export is the last Batch job of a run that passed
+    metrics (GATE_REPORT): on AWS the export is the last Batch job of a run that passed
     the gate. Tracking never fails the step."""
     from . import tracking
     from .fileio import read_json
 
-    gate_path = Path(run_dir) / "validation" / "gate.json"
+    gate_path = Path(run_dir) / GATE_REPORT
     metrics = (read_json(gate_path).get("metrics") or {}) if gate_path.is_file() else {}
     tracking.log_step("export", Path(run_dir), params={
         "checkpoint": report["checkpoint"], "checkpoint_sha256": report["checkpoint_sha256"],

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from . import distributed as dist_lib
+from .contract import PREPARED_DIR, TRAIN_SUMMARY, VALIDATION_METRICS
 from .errors import BadConfigError, ExitCode, StepError
 from .fileio import atomic_write_json
 
@@ -67,15 +68,15 @@ def _run_step(step: str, args: Sequence[str], nproc_per_node: int = 1) -> None:
 def train_and_score(root: Path, backend: str, seed: int, opts: argparse.Namespace) -> Path:
     """Train (or resume) and validate one (backend, seed) run; its validation/metrics.json."""
     run_dir = run_dir_for(root, backend, seed)
-    metrics_path = run_dir / "validation" / "metrics.json"
+    metrics_path = run_dir / VALIDATION_METRICS
     if metrics_path.exists():
         log.info("%s: done already", run_dir)
         return metrics_path
     run_dir.mkdir(parents=True, exist_ok=True)
     # Every run reads the one DIR/prepared/ through a symlink: the same holdout for every model.
-    link = run_dir / "prepared"
+    link = run_dir / PREPARED_DIR
     if not link.exists():
-        link.symlink_to(os.path.relpath(root / "prepared", run_dir))
+        link.symlink_to(os.path.relpath(root / PREPARED_DIR, run_dir))
     train_args = ["--run-dir", str(run_dir), "--preset", opts.preset, "--backend", backend, "--seed", str(seed),
                   "--no-progress"]
     if opts.max_steps is not None:
@@ -91,12 +92,12 @@ def train_and_score(root: Path, backend: str, seed: int, opts: argparse.Namespac
 def load_run_metrics(root: Path, backend: str, seed: int) -> dict[str, float] | None:
     """Holdout metrics and final training losses of one run; None when it has not run yet."""
     run_dir = run_dir_for(root, backend, seed)
-    metrics_path = run_dir / "validation" / "metrics.json"
+    metrics_path = run_dir / VALIDATION_METRICS
     if not metrics_path.exists():
         return None
     metrics = {k: v for k, v in json.loads(metrics_path.read_text("utf-8"))["metrics"].items()
                if isinstance(v, (int, float)) and v is not None}
-    summary_path = run_dir / "train" / "summary.json"
+    summary_path = run_dir / TRAIN_SUMMARY
     if summary_path.exists():
         summary = json.loads(summary_path.read_text("utf-8"))
         for key in ("final_loss", "holdout_loss"):
@@ -130,7 +131,7 @@ def compare_metric(a: list[float], b: list[float], tolerance: float) -> dict[str
 
 def missing_runs(root: Path, backends: Sequence[str], seeds: list[int]) -> list[str]:
     return [run_dir_for(root, b, s).name for b in backends for s in seeds
-            if not (run_dir_for(root, b, s) / "validation" / "metrics.json").exists()]
+            if not (run_dir_for(root, b, s) / VALIDATION_METRICS).exists()]
 
 
 def build_report(root: Path, backends: tuple[str, str], seeds: list[int], tolerance: float) -> dict[str, Any]:
@@ -200,8 +201,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise BadConfigError("--seeds: give at least two seeds; one seed per backend cannot measure seed noise")
     if args.tolerance < 0:
         raise BadConfigError(f"--tolerance {args.tolerance}: must be >= 0")
-    if not (args.run_dir / "prepared").is_dir():
-        raise BadConfigError(f"{args.run_dir / 'prepared'} does not exist; run `python -m pipeline_steps prepare "
+    if not (args.run_dir / PREPARED_DIR).is_dir():
+        raise BadConfigError(f"{args.run_dir / PREPARED_DIR} does not exist; run `python -m pipeline_steps prepare "
                              f"--run-dir {args.run_dir} ...` first")
     return args
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .config import ModelConfig
+from .contract import PREPARED_DIR
 from .errors import BadConfigError
 from .fileio import atomic_path
 
@@ -183,7 +184,7 @@ def previous_staged(init_from: Path | None) -> Path | None:
         return None
     source = Path(init_from).resolve()
     for run_dir in (source, source.parent, source.parent.parent):
-        found = staged_dir(run_dir / "prepared")
+        found = staged_dir(run_dir / PREPARED_DIR)
         if found is not None:
             return found
     return None

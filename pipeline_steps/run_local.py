@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from . import cost, tracking
+from .contract import (COMPILE_REPORT, EMBEDDINGS_DIR, EMBEDDINGS_MANIFEST, GATE_REPORT, TRAIN_SUMMARY,
+                       VALIDATION_METRICS)
 from .errors import BadConfigError, ExitCode
 from .fileio import atomic_write_json, read_json
 
@@ -124,10 +126,10 @@ def build_report(run_dir: Path, steps: list[StepRun], backend: str, preset: str)
     """DIR/report.json: steps[{name, status, seconds, exit_code, command}], train{...}, validation{metrics,
     baseline, gate}, embeddings{count, path}, xla{graphs_compiled, compiles_after_warmup, ...} (xla
     backend); main adds cost and mlflow."""
-    metrics = _maybe(run_dir / "validation" / "metrics.json") or {}
-    gate = _maybe(run_dir / "validation" / "gate.json") or {}
-    train = _maybe(run_dir / "train" / "summary.json") or {}
-    manifest = _maybe(run_dir / "embeddings" / "manifest.json")
+    metrics = _maybe(run_dir / VALIDATION_METRICS) or {}
+    gate = _maybe(run_dir / GATE_REPORT) or {}
+    train = _maybe(run_dir / TRAIN_SUMMARY) or {}
+    manifest = _maybe(run_dir / EMBEDDINGS_DIR / EMBEDDINGS_MANIFEST)
     report: dict[str, Any] = {
         "run_dir": str(run_dir), "backend": backend, "preset": preset,
         "passed": all(s.status == "passed" for s in steps),
@@ -138,11 +140,11 @@ def build_report(run_dir: Path, steps: list[StepRun], backend: str, preset: str)
                        "baseline": metrics.get("baseline", gate.get("baseline")),
                        "gate": {"passed": gate.get("passed"), "reasons": gate.get("reasons")}},
         "embeddings": {"count": manifest.get("total_count") if manifest else None,
-                       "path": str(run_dir / "embeddings") if manifest else None},
+                       "path": str(run_dir / EMBEDDINGS_DIR) if manifest else None},
     }
     if backend == "xla":
         xla = train.get("xla") or {}
-        compile_report = _maybe(run_dir / "compile" / "compile.json") or {}
+        compile_report = _maybe(run_dir / COMPILE_REPORT) or {}
         report["xla"] = {"graphs_compiled": xla.get("graphs_compiled"),
                          "compiles_after_warmup": xla.get("compiles_after_warmup"),
                          "graphs_not_in_compile_cache": xla.get("graphs_not_in_compile_cache"),

@@ -3,15 +3,12 @@
 Reads   DIR/prepared/ (from `prepare`), DIR/checkpoints/ (to resume), --init-from (incremental).
 Writes  DIR/checkpoints/step-*.pt (+ manifest), DIR/train/metrics.jsonl (one line per step),
         DIR/train/summary.json, DIR/train/xla.json (graph accounting, xla backend).
+A rerun with the same run dir resumes from the newest valid checkpoint (docs/training.md, "Resume").
 
 Local:     python -m pipeline_steps train --run-dir runs/demo --preset tiny --backend cpu
 DDP (CPU): torchrun --standalone --nproc_per_node 2 -m pipeline_steps train --run-dir runs/demo --preset tiny
 XLA (CPU): PJRT_DEVICE=CPU python -m pipeline_steps train --run-dir runs/demo --preset tiny --backend xla
 Trainium:  torchrun $TORCHRUN_ARGS -m pipeline_steps train --run-dir /fsx/runs/$RUN_ID --preset base --backend xla --bf16
-
-A rerun with the same run dir resumes from the newest valid checkpoint and ends with the same
-weights as an uninterrupted run (eager backends: dropout is reseeded from (seed, rank, step) and
-the data order is a function of (seed, epoch), so neither depends on where a run was cut).
 """
 
 from __future__ import annotations
@@ -21,6 +18,7 @@ import logging
 
 from . import distributed as dist_lib, tracking
 from .config import to_dict
+from .contract import COMPILE_CACHE_DIR, TRAIN_METRICS
 from .heartbeat import Heartbeat
 from .model import count_parameters
 from .trainer import Trainer, add_train_args, resolve_train_config, run_training
@@ -42,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     world = dist_lib.init(args.backend or dist_lib.default_backend())
     try:
         if world.is_xla:
-            cache = args.run_dir / "compile" / "xla_cache"
+            cache = args.run_dir / COMPILE_CACHE_DIR
             if cache.exists():
                 dist_lib.initialize_compile_cache(world, str(cache))
         trainer = Trainer(args.run_dir, args.preset, cfg, world, init_from=args.init_from)
@@ -65,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                 "train", args.run_dir, params={"preset": args.preset, "backend": world.backend,
                                                "world_size": world.world_size, "init_from": args.init_from},
                 metrics=tracking.flatten(summary), config={"train": to_dict(cfg)},
-                history=tracking.jsonl_history(args.run_dir / "train" / "metrics.jsonl", STREAMED_METRICS))
+                history=tracking.jsonl_history(args.run_dir / TRAIN_METRICS, STREAMED_METRICS))
     finally:
         dist_lib.shutdown()
     return 0

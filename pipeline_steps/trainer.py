@@ -1,13 +1,8 @@
 """The trainer: model, optimizer, schedule and data of one run, its training step and its loop.
 
-The `train` step builds a `Trainer` and calls `run_training` (its docstring has the commands);
-`compile` and benchmarks/bench.py drive the same trainer.
-
-XLA discipline: every batch has one of a few static shapes (one per length bucket), the AdamW
-state is materialised before the first step so step 1 and step N trace the same graph, one
-`mark_step` per step (forward, backward, all-reduce, clip and update in one graph), and no host
-read inside the step: a non-finite loss sets a device flag that skips the update in the graph, and
-the loop reads each step's loss one step later, while the device runs the next step.
+The `train` step (pipeline_steps/train.py has the commands) builds a `Trainer` and calls
+`run_training`; `compile` and benchmarks/bench.py drive the same trainer. Its XLA discipline (static
+shapes, one graph per step, no host read inside it) is docs/training.md, "Static shapes, measured".
 """
 
 from __future__ import annotations
@@ -25,6 +20,7 @@ import torch
 
 from . import checkpoint, data as data_lib, distributed as dist_lib, pretrained, tracking
 from .config import DataConfig, ModelConfig, TrainConfig, from_dict, get_preset, to_dict
+from .contract import TRAIN_DIR, TRAIN_METRICS, TRAIN_SUMMARY
 from .errors import BadConfigError, NonFiniteLossError
 from .fileio import append_jsonl, atomic_write_json, sha256_file
 from .heartbeat import Heartbeat
@@ -330,9 +326,9 @@ def run_training(trainer: Trainer, *, progress: bool = True, heartbeat: Heartbea
     `watchdog` is told after every completed step and ends the process (exit 75) on a stall;
     `stream` (rank 0) sends the step record (host values only) to the MLflow child run."""
     cfg, world = trainer.cfg, trainer.world
-    out_dir = trainer.run_dir / "train"
+    out_dir = trainer.run_dir / TRAIN_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
-    metrics_path = out_dir / "metrics.jsonl"
+    metrics_path = trainer.run_dir / TRAIN_METRICS
     t_start = last = time.monotonic()
     first_step = trainer.state.step
     if first_step >= trainer.total_steps:
@@ -395,7 +391,7 @@ def run_training(trainer: Trainer, *, progress: bool = True, heartbeat: Heartbea
     if xla_report is not None:
         summary["xla"] = xla_report
     if world.is_main:
-        atomic_write_json(out_dir / "summary.json", summary)
+        atomic_write_json(trainer.run_dir / TRAIN_SUMMARY, summary)
         if world.is_xla:
             atomic_write_json(out_dir / "xla.json", summary["xla"])
     return summary

@@ -29,6 +29,7 @@ import torch
 from . import distributed, metrics as metrics_lib, s3
 from .inference import DEFAULT_BATCH_SIZE, InferenceModel, check_compatible, embed_products, embed_queries, \
     load_for_inference
+from .contract import GATE_REPORT, VALIDATION_DIR, VALIDATION_METRICS
 from .errors import BadConfigError, BadInputError, GateFailedError
 from . import tracking
 from .fileio import atomic_write_json
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 DEFAULT_GATED_METRICS = ("recall@10", "ndcg@10")
 DEFAULT_TOLERANCE = 0.001
 SANITY_METRIC = "recall@10"
+COMPARE_REPORT = "compare.json"  # --compare's report, in VALIDATION_DIR
 SANITY_FACTOR = 2.0
 """The sanity floor is SANITY_FACTOR x a random ranking's expected SANITY_METRIC."""
 BM25_PARAMS = {"k1": 1.5, "b": 0.75, "method": "lucene"}
@@ -386,8 +388,7 @@ def run_validate(args: argparse.Namespace) -> dict[str, Any]:
     graphs = distributed.compile_count(inference.world)
     if graphs is not None:
         report["xla"] = {"graphs_compiled": graphs}
-    out_dir = run_dir / "validation"
-    atomic_write_json(out_dir / "metrics.json", report)
+    atomic_write_json(run_dir / VALIDATION_METRICS, report)
 
     # recall@10 > 2 x random (2 * 10 / catalog size) catches a broken model (collapsed embeddings, a
     # tokenizer mismatch, an untrained checkpoint) on a first run with no previous model to regress
@@ -406,9 +407,9 @@ def run_validate(args: argparse.Namespace) -> dict[str, Any]:
         "checkpoint": str(inference.checkpoint), "checkpoint_sha256": inference.checkpoint_sha256,
         "run_dir": str(run_dir), "created_at": _now(),
     }
-    atomic_write_json(out_dir / "gate.json", gate)
+    atomic_write_json(run_dir / GATE_REPORT, gate)
     if args.gate_s3_uri:
-        upload_s3((out_dir / "gate.json").read_bytes(), args.gate_s3_uri)
+        upload_s3((run_dir / GATE_REPORT).read_bytes(), args.gate_s3_uri)
 
     print_table(f"holdout: {len(holdout.queries)} queries x {len(prepared.products.ids)} products",
                 {"model": evaluation.metrics, "BM25": baseline, "previous": previous},
@@ -459,7 +460,7 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
         "holdout": {"queries": len(holdout.queries), "products": len(prepared.products.ids)},
         "created_at": _now(),
     }
-    atomic_write_json(args.run_dir / "validation" / "compare.json", report)
+    atomic_write_json(args.run_dir / VALIDATION_DIR / COMPARE_REPORT, report)
     print_table("parity: B vs A on the same holdout", {"A": a, "B": b, "B - A": deltas},
                 footer=(f"parity: {'PASSED' if passed else 'FAILED'}: {report['reason']}; product embedding "
                         f"mean cosine {report['embedding_agreement']['products']['mean_cosine']:.6f}"))
@@ -471,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare:
         report = run_compare(args)
         if not report["passed"]:
-            raise GateFailedError(f"parity failed: {report['reason']}; see {args.run_dir / 'validation/compare.json'}")
+            raise GateFailedError(f"parity failed: {report['reason']}; see {args.run_dir / VALIDATION_DIR / COMPARE_REPORT}")
         return 0
     gate = run_validate(args)
     # ---- tracking: this step as a child run of the pipeline's MLflow run (never fails the step)
@@ -485,5 +486,5 @@ def main(argv: list[str] | None = None) -> int:
             tracking.log_pipeline(args.run_dir, metrics=gate.get("metrics") or {}, status="FINISHED",
                                   tags={tracking.OUTCOME_TAG: "model_rejected"})
             return 0
-        raise GateFailedError(f"quality gate failed: {failed}; see {args.run_dir / 'validation/gate.json'}")
+        raise GateFailedError(f"quality gate failed: {failed}; see {args.run_dir / GATE_REPORT}")
     return 0

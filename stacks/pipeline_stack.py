@@ -22,7 +22,7 @@ from stacks.constructs.canary import Canary
 from stacks.constructs.job_events import JobEvents
 from stacks.constructs.monitoring import Monitoring
 from stacks.constructs.stall_watchdog import StallWatchdog
-from stacks.constructs.training_pipeline import TrainingPipeline
+from stacks.constructs.training_pipeline import GATE_KEY_PATTERN, TrainingPipeline
 from stacks.constructs.triggers import RunTrigger
 from stacks.pipeline_config import PipelineConfig
 
@@ -82,7 +82,7 @@ class PipelineStack(Stack):
                 "Wildcards are runtime-only ids: batch:DescribeJobs and cloudwatch:GetMetricData have no "
                 "resource-level permissions and "
                 "batch:TerminateJob targets job/* (job ids exist only at run time); gate.json keys are "
-                "runs/*/validation/gate.json (run id = execution name); per-job stall alarms are "
+                f"{GATE_KEY_PATTERN} (run id = execution name); per-job stall alarms are "
                 "<stack>-TrainStalled/*; X-Ray and log-delivery actions are '*' by API design; KMS "
                 "GenerateDataKey*/ReEncrypt* come from grant_* on the pipeline and bucket keys.")},
         ])

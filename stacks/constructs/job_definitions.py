@@ -21,13 +21,14 @@ from cdk_nag import NagPackSuppression, NagSuppressions
 from constructs import Construct
 
 from pipeline_steps.contract import (
-    CANARY_JOB, FSX_CANARY, FSX_MOUNT_POINT, FSX_RUNS, INSTANCE_TYPE_ENV, NPROC_PER_NODE_ENV, RUN_ID_PARAMETER, ExitCode,
+    CANARY_JOB, EXPORT_DIR, FSX_CANARY, FSX_MOUNT_POINT, INSTANCE_TYPE_ENV, NPROC_PER_NODE_ENV, RUN_ID_PARAMETER,
+    ExitCode, run_path,
 )
 from stacks.config import InstanceSpec, TrainingConfig
 from stacks.constructs.secure_bucket import acknowledge_bucket_grants
 
 RETRYABLE_EXIT_CODE = int(ExitCode.RETRYABLE)  # the only code Batch retries
-RUN_DIR = f"{FSX_RUNS}/Ref::{RUN_ID_PARAMETER}"
+RUN_DIR = run_path(f"Ref::{RUN_ID_PARAMETER}")
 
 # EFA / Neuron collectives environment (AWS Neuron multi-node setup docs:
 # https://awsdocs-neuron.readthedocs-hosted.com/en/latest/frameworks/torch/torch-neuronx/setup-trn1-multi-node-execution.html).
@@ -113,7 +114,8 @@ SINGLE_NODE_STEPS: Mapping[str, tuple[list[str], dict[str, str]]] = {
     # asynchronous: the pointer written after this job names an export that is complete in S3.
     # --run-dir: the last Batch job of a run that passed the gate closes the run's MLflow run.
     "export": (
-        ["export", "--run-dir", RUN_DIR, "--checkpoint", RUN_DIR, "--out", f"{RUN_DIR}/export", "--s3-uri", "Ref::export_s3_uri"],
+        ["export", "--run-dir", RUN_DIR, "--checkpoint", RUN_DIR, "--out", f"{RUN_DIR}/{EXPORT_DIR}",
+         "--s3-uri", "Ref::export_s3_uri"],
         {"export_s3_uri": ""},
     ),
     # The canary: node-local sanity on the small instance type, outside the exported /fsx/runs.

@@ -7,11 +7,11 @@ from __future__ import annotations
 from aws_cdk import aws_s3 as s3
 from aws_cdk import aws_stepfunctions as sfn
 
-from pipeline_steps.contract import FSX_RUNS, RUN_ID_PARAMETER, RUNS_PREFIX
+from pipeline_steps.contract import CHECKPOINTS_DIR, EMBEDDINGS_DIR, EXPORT_DIR, RUN_ID_PARAMETER, run_key, run_path
 from stacks.constructs.pipeline_states import PipelineStates
 
 CURRENT_MODEL_KEY = "models/current.json"
-EXPORT_PREFIX = RUNS_PREFIX + "{}/export/"  # the run id goes in; written by the Export job (--s3-uri)
+EXPORT_PREFIX = run_key("{}", EXPORT_DIR) + "/"  # the run id goes in; written by the Export job (--s3-uri)
 # A failed conditional write is HTTP 412 PreconditionFailed, an error the S3 SDK model does not
 # name, which Step Functions reports as S3.S3Exception
 # (https://docs.aws.amazon.com/step-functions/latest/dg/supported-services-awssdk.html).
@@ -90,9 +90,9 @@ def _pointer_write(states: PipelineStates, artifacts_bucket: s3.IBucket, record_
         "Parameters": {
             f"{RUN_ID_PARAMETER}.$": "$.run_id",
             # A run dir: checkpoint.resolve() picks its newest verified checkpoint.
-            "checkpoint.$": f"States.Format('{FSX_RUNS}/{{}}', $.run_id)",
-            "checkpoint_s3_uri.$": "States.Format('s3://" + bucket + "/" + RUNS_PREFIX + "{}/checkpoints/', $.run_id)",
-            "embeddings_uri.$": f"States.Format('{FSX_RUNS}/{{}}/embeddings', $.run_id)",
+            "checkpoint.$": f"States.Format('{run_path('{}')}', $.run_id)",
+            "checkpoint_s3_uri.$": f"States.Format('s3://{bucket}/{run_key('{}', CHECKPOINTS_DIR)}/', $.run_id)",
+            "embeddings_uri.$": f"States.Format('{run_path('{}', EMBEDDINGS_DIR)}', $.run_id)",
             # sentence-transformers folders (query/, product/, export.json), complete when
             # <export_uri>_SUCCESS exists (the Export job writes it last).
             "export_uri.$": export_uri(artifacts_bucket),

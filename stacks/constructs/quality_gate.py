@@ -9,7 +9,7 @@ from __future__ import annotations
 from aws_cdk import aws_s3 as s3
 from aws_cdk import aws_stepfunctions as sfn
 
-from pipeline_steps.contract import FSX_RUNS, RUN_ID_PARAMETER, RUNS_PREFIX
+from pipeline_steps.contract import GATE_REPORT, RUN_ID_PARAMETER, VALIDATION_METRICS, run_key, run_path
 from stacks.constructs.pipeline_states import PipelineStates
 from stacks.constructs.publish import CURRENT_MODEL_KEY
 
@@ -29,7 +29,7 @@ def production_baseline(states: PipelineStates, artifacts_bucket: s3.IBucket, *,
         "Parameters": {
             "start": {"init_from.$": "$.current.pointer.checkpoint"},
             "gate": {"previous_metrics.$":
-                     f"States.Format('{FSX_RUNS}/{{}}/validation/metrics.json', $.current.pointer.run_id)"},
+                     f"States.Format('{run_path('{}', VALIDATION_METRICS)}', $.current.pointer.run_id)"},
         },
         "ResultPath": "$.baseline",
     })
@@ -70,7 +70,7 @@ def gate(states: PipelineStates, artifacts_bucket: s3.IBucket, *, passed: sfn.IC
     Validate wrote gate.json to S3 (--gate-s3-uri); read it, decide visibly."""
     read_gate = states.s3_task("ReadGate", "getObject", {
         "Bucket": artifacts_bucket.bucket_name,
-        "Key.$": f"States.Format('{RUNS_PREFIX}{{}}/validation/gate.json', $.run_id)",
+        "Key.$": f"States.Format('{run_key('{}', GATE_REPORT)}', $.run_id)",
     }, result_selector={"report.$": "States.StringToJson($.Body)"}, result_path="$.gate")
     read_gate.add_catch(states.failure, errors=["States.ALL"], result_path="$.failure.ReadGate")
     report_valid = sfn.Choice(states.scope, "GateReportValid")
@@ -80,7 +80,7 @@ def gate(states: PipelineStates, artifacts_bucket: s3.IBucket, *, passed: sfn.IC
         sfn.Condition.is_boolean("$.gate.report.passed"), sfn.Condition.is_present("$.gate.report.metrics")), gate)
     report_valid.otherwise(states.fail_with(
         "MalformedGateReport", "MalformedDocument",
-        "States.Format('runs/{}/validation/gate.json needs a boolean passed and a metrics object (written by "
+        f"States.Format('{run_key('{}', GATE_REPORT)} needs a boolean passed and a metrics object (written by "
         "the validate step); got: {}', $.run_id, States.JsonToString($.gate.report))"))
     # A rejected model is the gate doing its job, not a broken pipeline: the execution
     # succeeds (so the ExecutionsFailed alarm means "something is broken"), the end state's

@@ -6,7 +6,6 @@ queues. docs/orchestration.md has the diagram, the execution-input contract and 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from aws_cdk import Duration, RemovalPolicy, Stack
 from aws_cdk import aws_batch as batch
@@ -19,7 +18,9 @@ from aws_cdk import aws_sns as sns
 from aws_cdk import aws_stepfunctions as sfn
 from constructs import Construct
 
-from pipeline_steps.contract import HEARTBEAT_NAMESPACE, PIPELINE_STEPS, RUN_ID_PARAMETER, RUNS_PREFIX
+from pipeline_steps.contract import (
+    GATE_REPORT, HEARTBEAT_NAMESPACE, PIPELINE_STEPS, RUN_ID_PARAMETER, PipelineStep, run_key,
+)
 from stacks.constructs.input_checks import input_checks, input_rules
 from stacks.constructs.pipeline_states import PipelineStates
 from stacks.constructs.prepare_states import SHARDS_FIELD, array_submit, prepare_submit
@@ -36,20 +37,8 @@ BATCH_API_ERRORS: tuple[str, ...] = (
     "Batch.ServerException",
     "Batch.TooManyRequestsException",
 )
-GATE_KEY_PATTERN = f"{RUNS_PREFIX}*/validation/gate.json"
+GATE_KEY_PATTERN = run_key("*", GATE_REPORT)
 UNDELIVERED_NAMESPACE = f"{HEARTBEAT_NAMESPACE}/Pipeline"
-
-
-@dataclass(frozen=True)
-class BatchStep:
-    """One Batch state: its name, job definition key and whether it runs on the training queue."""
-
-    name: str
-    job_definition: str
-    multi_node: bool
-
-
-STEPS: tuple[BatchStep, ...] = tuple(BatchStep(s.state, s.name, s.multi_node) for s in PIPELINE_STEPS)
 
 
 def _has_fair_share(queue: batch.IJobQueue) -> bool:
@@ -63,10 +52,10 @@ def _check_wiring(config: PipelineConfig, *, queues: Mapping[str, batch.IJobQueu
     for name in ("training", "single-node"):
         if name not in queues:
             raise ValueError(f"TrainingPipeline: queues has no {name!r} queue (got {sorted(queues)}).")
-    for step in STEPS:
-        if step.job_definition not in job_definitions:
+    for step in PIPELINE_STEPS:
+        if step.name not in job_definitions:
             raise ValueError(
-                f"TrainingPipeline: job_definitions has no {step.job_definition!r} (got {sorted(job_definitions)})."
+                f"TrainingPipeline: job_definitions has no {step.name!r} (got {sorted(job_definitions)})."
             )
     if max_nodes < config.default_num_nodes:
         raise ValueError(f"TrainingPipeline: max_nodes={max_nodes} < default_num_nodes={config.default_num_nodes}.")
@@ -121,7 +110,7 @@ class TrainingPipeline(Construct):
             definition_body=sfn.DefinitionBody.from_chainable(start),
             state_machine_type=sfn.StateMachineType.STANDARD,
             # Whole-run bound: every Batch state's budget plus an hour for the S3/SNS states.
-            timeout=Duration.minutes(sum(self.state_timeout_minutes(s) for s in STEPS) + 60),
+            timeout=Duration.minutes(sum(self.state_timeout_minutes(s) for s in PIPELINE_STEPS) + 60),
             tracing_enabled=True,
             logs=sfn.LogOptions(destination=self.log_group, level=sfn.LogLevel.ALL, include_execution_data=True),
             comment="Embedding model training: input checks -> Prepare -> Sanity -> Compile -> Train -> Validate "
@@ -129,18 +118,18 @@ class TrainingPipeline(Construct):
         )
         self._grant(self.state_machine.role)
 
-    # ---- the chain: defaults, input checks, baseline, the Batch steps in STEPS order, gate, publish --
+    # ---- the chain: defaults, input checks, baseline, the Batch steps in pipeline order, gate, publish
     def _chain(self) -> sfn.IChainable:
         """Builds every state and returns the first one (Defaults)."""
         states = self._states
-        batch_states = {step.name: self._submit(step) for step in STEPS}
+        batch_states = {step.state: self._submit(step) for step in PIPELINE_STEPS}
         start, configured = self._configuration()
         checks = input_rules(self._queues["training"], self._max_nodes)
         configured.next(input_checks(states, checks, data_bucket=self._data_bucket,
                                      then=production_baseline(states, self._bucket, then=batch_states["Prepare"])))
-        for earlier, later in zip(STEPS, STEPS[1:]):
-            if later.name != "Embed":
-                batch_states[earlier.name].next(batch_states[later.name])
+        for earlier, later in zip(PIPELINE_STEPS, PIPELINE_STEPS[1:]):
+            if later.state != "Embed":
+                batch_states[earlier.state].next(batch_states[later.state])
         batch_states["Validate"].next(gate(states, self._bucket, passed=batch_states["Embed"]))
         batch_states["Export"].next(publish(states, self._bucket))
         return start
@@ -161,12 +150,12 @@ class TrainingPipeline(Construct):
         return cw.Metric(namespace=UNDELIVERED_NAMESPACE, metric_name=name, statistic="Sum",
                          period=Duration.minutes(5))
 
-    def state_timeout_minutes(self, step: BatchStep) -> int:
+    def state_timeout_minutes(self, step: PipelineStep) -> int:
         """The Batch state's TimeoutSeconds / 60, from its job definition's attempt timeout and
         retry attempts (the one source of both), the queue wait bound and the startup bound."""
-        job_definition = self._job_definitions[step.job_definition]
+        job_definition = self._job_definitions[step.name]
         if job_definition.timeout is None:
-            raise ValueError(f"TrainingPipeline: job definition {step.job_definition!r} has no attempt timeout; set one.")
+            raise ValueError(f"TrainingPipeline: job definition {step.name!r} has no attempt timeout; set one.")
         return self._cfg.state_timeout_minutes(
             attempt_minutes=int(job_definition.timeout.to_minutes()),
             attempts=job_definition.retry_attempts or 1,
@@ -200,31 +189,31 @@ class TrainingPipeline(Construct):
         defaults.next(apply_defaults)
         return defaults, apply_defaults
 
-    def _step_fields(self, step: BatchStep) -> dict:
+    def _step_fields(self, step: PipelineStep) -> dict:
         """What one step adds to the SubmitJob request all steps share."""
-        if step.name == "Validate":
+        if step.state == "Validate":
             # The validate job definition runs with --gate-report-only (exit 0 on a failed gate:
             # the decision is data for the Choice) and uploads gate.json to gate_s3_uri itself,
             # because the FSx auto-export to S3 is asynchronous.
             return {"Parameters": {
-                "gate_s3_uri.$": ("States.Format('s3://" + self._bucket.bucket_name + "/" + RUNS_PREFIX
-                                  + "{}/validation/gate.json', $.run_id)"),
+                "gate_s3_uri.$":
+                    f"States.Format('s3://{self._bucket.bucket_name}/{run_key('{}', GATE_REPORT)}', $.run_id)",
                 "previous_metrics.$": "$.run.previous_metrics",
             }}
-        if step.name == "Embed":
+        if step.state == "Embed":
             return array_submit("$.run.embed_shards")
-        if step.name == "Export":
+        if step.state == "Export":
             # The step uploads the export itself (files, then the _SUCCESS marker), so the pointer
             # written after it names a complete S3 copy; FSx auto-export would arrive later.
             return {"Parameters": {"export_s3_uri.$": export_uri(self._bucket)}}
-        return prepare_submit(step.name)
+        return prepare_submit(step.state)
 
-    def _submit(self, step: BatchStep) -> sfn.CustomState:
+    def _submit(self, step: PipelineStep) -> sfn.CustomState:
         cfg = self._cfg
         queue = self._queues["training"] if step.multi_node else self._queues["single-node"]
         params: dict = {
-            "JobName": step.job_definition,
-            "JobDefinition": self._job_definitions[step.job_definition].job_definition_arn,
+            "JobName": step.name,
+            "JobDefinition": self._job_definitions[step.name].job_definition_arn,
             "SchedulingPriorityOverride.$": "$.run.priority",
             "Parameters": {
                 f"{RUN_ID_PARAMETER}.$": "$.run_id",
@@ -241,7 +230,7 @@ class TrainingPipeline(Construct):
         params["JobQueue"] = queue.job_queue_arn
         if _has_fair_share(queue):
             params["ShareIdentifier.$"] = "$.run.share"
-        state = self._states.raw(step.name, {
+        state = self._states.raw(step.state, {
             "Type": "Task",
             # Raw ASL: the CDK BatchSubmitJob task has no ShareIdentifier / SchedulingPriorityOverride,
             # which every submission to a fair-share queue needs
@@ -250,7 +239,7 @@ class TrainingPipeline(Construct):
             "Parameters": params,
             # Keep the state payload small (a multi-node DescribeJobs record is large).
             "ResultSelector": {"JobId.$": "$.JobId", "Status.$": "$.Status"},
-            "ResultPath": f"$.jobs.{step.name}",
+            "ResultPath": f"$.jobs.{step.state}",
             "TimeoutSeconds": self.state_timeout_minutes(step) * 60,
         })
         state.add_retry(
@@ -262,13 +251,13 @@ class TrainingPipeline(Construct):
             jitter_strategy=sfn.JitterType.FULL,
         )
         # The failed state's name becomes the key, so the one notification names the step.
-        state.add_catch(self._states.failure, errors=["States.ALL"], result_path=f"$.failure.{step.name}")
+        state.add_catch(self._states.failure, errors=["States.ALL"], result_path=f"$.failure.{step.state}")
         return state
 
     def _grant(self, role: iam.IRole) -> None:
         stack = Stack.of(self)
         queue_arns = sorted({q.job_queue_arn for q in self._queues.values()}, key=str)
-        job_definition_arns = [self._job_definitions[s.job_definition].job_definition_arn for s in STEPS]
+        job_definition_arns = [self._job_definitions[s.name].job_definition_arn for s in PIPELINE_STEPS]
         # SubmitJob is authorised on the queue and the job definition
         # (https://docs.aws.amazon.com/batch/latest/userguide/batch-supported-iam-actions-resources.html).
         role.add_to_principal_policy(iam.PolicyStatement(

@@ -23,7 +23,8 @@ import pytest
 from pipeline_steps.demo_data import write_demo
 from tests.e2e.local_batch import Fault
 from tests.e2e.stage import Stage, synthesize
-from tests.e2e.world import E2EWorld, RunResult
+from pipeline_steps.contract import CHECKPOINTS_DIR
+from tests.e2e.world import E2EWorld, RunResult, local_run_dir
 
 PRESET = "tiny"
 DATASET = "catalog"
@@ -32,7 +33,7 @@ KILLED_NODE = 1
 
 def first_checkpoint_written(fsx_root: Path, parameters: dict[str, str]) -> bool:
     """A complete checkpoint: its manifest is written after the .pt (pipeline_steps/checkpoint.py)."""
-    return any((fsx_root / "runs" / parameters["run_id"] / "checkpoints").glob("step-*.json"))
+    return any((local_run_dir(fsx_root, parameters["run_id"]) / CHECKPOINTS_DIR).glob("step-*.json"))
 
 
 @pytest.fixture(scope="package")

@@ -8,6 +8,10 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline_steps.contract import (
+    CHECKPOINTS_DIR, EMBEDDINGS_DIR, EMBEDDINGS_MANIFEST, GATE_REPORT, PREPARE_REPORT, PREPARED_DIR, VALIDATION_METRICS,
+    run_key, run_path,
+)
 from tests.e2e.conftest import DATASET, KILLED_NODE
 
 pytestmark = pytest.mark.slow
@@ -34,14 +38,14 @@ def test_upload_starts_a_run_that_runs_every_step_and_publishes(e2e_world, first
     assert sorted(j.array_index for j in first_run.jobs if j.definition == "embed") == [0, 1, 2, 3]
     assert sorted(j.array_index for j in first_run.jobs if j.definition == "prepare-shards") == [0, 1, 2, 3]
     pointer = e2e_world.read_json("artifacts_bucket", "models/current.json")
-    assert pointer["run_id"] == f"{DATASET}-v1" and pointer["checkpoint"] == f"/fsx/runs/{DATASET}-v1"
+    assert pointer["run_id"] == f"{DATASET}-v1" and pointer["checkpoint"] == run_path(f"{DATASET}-v1")
     assert pointer["data_version"] == "v1" and pointer["metrics"]["recall@10"] > 0
     assert any("published" in n for n in e2e_world.notifications())
 
 
 def test_the_manifest_holds_an_embedding_for_every_uploaded_product(e2e_world, first_run, demo_data):
-    embeddings = e2e_world.run_dir(f"{DATASET}-v1") / "embeddings"
-    manifest = json.loads((embeddings / "manifest.json").read_text())
+    embeddings = e2e_world.run_dir(f"{DATASET}-v1") / EMBEDDINGS_DIR
+    manifest = json.loads((embeddings / EMBEDDINGS_MANIFEST).read_text())
     ids = [row for shard in manifest["shards"]
            for row in pq.read_table(embeddings / shard["file"], columns=["id"]).column("id").to_pylist()]
     assert manifest["total_count"] == len(ids) == len(set(ids))
@@ -66,11 +70,11 @@ def test_batch_variables_reach_every_node_as_batch_sets_them(first_run):
 def test_prepare_ran_as_an_array_job_and_its_data_holds_every_uploaded_product(e2e_world, first_run, demo_data):
     children = [job for job in first_run.jobs if job.definition == "prepare-shards"]
     assert {job.attempts[0].argv[job.attempts[0].argv.index("--shard-count") + 1] for job in children} == {"4"}
-    prepared = e2e_world.run_dir(f"{DATASET}-v1") / "prepared"
-    report = json.loads((prepared / "prepare.json").read_text())
+    run_dir = e2e_world.run_dir(f"{DATASET}-v1")
+    report = json.loads((run_dir / PREPARE_REPORT).read_text())
     assert report["status"] == "ok" and report["shards"]["shard_count"] == 4
     assert report["counts"]["pairs"]["good"] == report["split"]["train_pairs"] + report["split"]["holdout_pairs"]
-    ids = pq.read_table(prepared / "products.parquet", columns=["id"]).column("id").to_pylist()
+    ids = pq.read_table(run_dir / PREPARED_DIR / "products.parquet", columns=["id"]).column("id").to_pylist()
     assert set(ids) == product_ids(demo_data)
 
 
@@ -99,11 +103,11 @@ def test_a_second_upload_trains_incrementally_from_the_published_model(rejected_
     result = rejected_run.result
     assert "UseCurrentModel" in result.visited and "TrainFromScratch" not in result.visited
     by_step = {job.definition: job for job in result.jobs}
-    published = f"/fsx/runs/{DATASET}-v1"
+    published = run_path(f"{DATASET}-v1")
     assert by_step["prepare"].parameters["init_from"] == by_step["train"].parameters["init_from"] == published
     train_log = by_step["train"].attempts[0].logs[0].read_text().splitlines()
     (line,) = [line for line in train_log if "incremental training: weights from" in line]
-    assert f"/fsx/runs/{DATASET}-v1/checkpoints/" in line
+    assert run_path(f"{DATASET}-v1", CHECKPOINTS_DIR) + "/" in line
 
 
 def test_the_worse_model_is_gated_against_the_published_metrics_and_rejected(e2e_world, rejected_run):
@@ -112,8 +116,8 @@ def test_the_worse_model_is_gated_against_the_published_metrics_and_rejected(e2e
     assert result.visited[-3:] == ["GatePassed", "NotifyGateFailed", "ModelRejected"]
     assert "Embed" not in result.visited and "Publish" not in result.visited
     validate = next(job for job in result.jobs if job.definition == "validate")
-    assert validate.parameters["previous_metrics"] == f"/fsx/runs/{DATASET}-v1/validation/metrics.json"
-    gate = e2e_world.read_json("artifacts_bucket", f"runs/{DATASET}-v2/validation/gate.json")
+    assert validate.parameters["previous_metrics"] == run_path(f"{DATASET}-v1", VALIDATION_METRICS)
+    gate = e2e_world.read_json("artifacts_bucket", run_key(f"{DATASET}-v2", GATE_REPORT))
     assert gate["passed"] is False
     published = rejected_run.pointer_before["metrics"]
     assert {k: gate["previous"][k] for k in gate["gated_metrics"]} == {k: published[k] for k in gate["gated_metrics"]}
@@ -161,4 +165,4 @@ def explicit_init_run(e2e_world, rejected_run):
 
 def test_an_explicit_init_from_run_is_gated_against_the_published_metrics(explicit_init_run):
     validate = next(job for job in explicit_init_run.jobs if job.definition == "validate")
-    assert validate.parameters["previous_metrics"] == f"/fsx/runs/{DATASET}-v1/validation/metrics.json"
+    assert validate.parameters["previous_metrics"] == run_path(f"{DATASET}-v1", VALIDATION_METRICS)

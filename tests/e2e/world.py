@@ -24,6 +24,7 @@ import boto3
 from moto import mock_aws
 from moto.server import ThreadedMotoServer
 
+from pipeline_steps.contract import FSX_MOUNT_POINT, run_path
 from tests.e2e.local_batch import JobDefinitionSpec, JobRun, LocalBatch, LocalSetup
 from tests.e2e.stage import Stage, synthesize
 
@@ -33,6 +34,11 @@ MOTO_CONFIG = {"stepfunctions": {"execute_state_machine": True}, "batch": {"use_
 BUCKETS = {"data_bucket": "trnembed-dev-data", "artifacts_bucket": "trnembed-dev-artifacts",
            "cache_bucket": "trnembed-dev-cache"}
 DATA_REPOSITORY_PREFIX = "incoming/"  # what the FSx data repository association imports to /fsx/data/
+
+
+def local_run_dir(fsx_root: Path, run_id: str) -> Path:
+    """A run's directory as the local Batch maps it: the jobs' run_path(run_id) under fsx_root."""
+    return fsx_root / Path(run_path(run_id)).relative_to(FSX_MOUNT_POINT)
 
 
 @dataclass
@@ -223,7 +229,7 @@ class E2EWorld:
         return json.loads(self.s3.get_object(Bucket=self.buckets[bucket], Key=key)["Body"].read())
 
     def run_dir(self, run_id: str) -> Path:
-        return self.batch.setup.fsx_root / "runs" / run_id
+        return local_run_dir(self.batch.setup.fsx_root, run_id)
 
     def format_path(self, result: RunResult) -> str:
         """The executed path: state, job, nodes, attempts, exit codes, seconds; then the status."""

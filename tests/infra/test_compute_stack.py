@@ -12,7 +12,6 @@ from aws_cdk.assertions import Annotations, Match, Template
 from infra_synth import TEST_ONLY_AMI_ID, stage_config
 from stacks.config import INSTANCE_TYPES, NEURON_AMI_SSM_PARAMETER, ComputeConfig, NeuronAmi, StageConfig
 from stacks.constructs.trainium_compute import neuron_machine_image
-from stacks.constructs.training_pipeline import STEPS
 from stacks.constructs.efa_launch_template import network_interfaces, node_boot_script
 from stacks.constructs.job_definitions import EFA_ENVIRONMENT, construct_name, device_list
 from pipeline_steps.contract import PIPELINE_STEPS
@@ -243,7 +242,7 @@ def test_every_submit_names_a_share_the_policy_defines(request, stage):
     assert {c["StringEquals"] for c in accept["Or"]} == defined
     assert states["Check_share"]["Default"] == "Invalid_share"
     submits = {n: s for n, s in states.items() if s.get("Resource") == "arn:aws:states:::batch:submitJob.sync"}
-    assert set(submits) == {step.name for step in STEPS}
+    assert set(submits) == {step.state for step in PIPELINE_STEPS}
     for name, state in submits.items():
         params = state["Parameters"]
         assert params.get("ShareIdentifier.$") == "$.run.share" or params.get("ShareIdentifier") in defined, name

@@ -9,7 +9,8 @@ from aws_cdk.assertions import Match
 from moto.events.models import EventPattern
 
 from pipeline_fixtures import QUEUE_WAIT, TEST_CONFIG, synthesized
-from stacks.constructs.training_pipeline import BATCH_API_ERRORS, STEPS
+from pipeline_steps.contract import PIPELINE_STEPS
+from stacks.constructs.training_pipeline import BATCH_API_ERRORS
 from stacks.pipeline_config import PipelineConfig
 
 FAKE = "X"  # every reference resolves to this: the assertions look at structure, not ARNs
@@ -50,7 +51,7 @@ def _happy_path(definition: dict) -> list[str]:
 
 def test_batch_states_in_pipeline_order_after_the_input_checks(definition):
     order = _happy_path(definition)
-    batch = [n for n in order if n in {s.name for s in STEPS}]
+    batch = [n for n in order if n in {s.state for s in PIPELINE_STEPS}]
     assert batch == ["Prepare", "PrepareShards", "PrepareFinish", "Sanity", "Compile", "Train", "Validate", "Embed",
                      "Export"]
     assert order.index("InputValid") < order.index("ListData") < order.index("ReadCurrentModel") < order.index("Prepare")
@@ -76,7 +77,7 @@ def test_no_batch_job_is_reachable_without_passing_the_input_checks(definition):
     assert not paths_avoiding(definition["StartAt"], "InputValid", set())
 
 
-@pytest.mark.parametrize("step", [s.name for s in STEPS])
+@pytest.mark.parametrize("step", [s.state for s in PIPELINE_STEPS])
 def test_every_submit_is_sync_with_fair_share_retries_catch_and_timeout(syn, definition, step):
     state = definition["States"][step]
     assert state["Resource"] == "arn:aws:states:::batch:submitJob.sync"
@@ -98,14 +99,14 @@ def test_every_submit_is_sync_with_fair_share_retries_catch_and_timeout(syn, def
     assert state["TimeoutSeconds"] == syn.stack.pipeline.state_timeout_minutes(_step(step)) * 60
 
 
-def _step(name: str):
-    return next(s for s in STEPS if s.name == name)
+def _step(state: str):
+    return next(s for s in PIPELINE_STEPS if s.state == state)
 
 
-@pytest.mark.parametrize("step", [s.name for s in STEPS])
+@pytest.mark.parametrize("step", [s.state for s in PIPELINE_STEPS])
 def test_every_attempt_of_a_job_fits_in_its_state_timeout(syn, definition, step):
     # Batch retries inside one SubmitJob: the state must outlast attempts x (queue wait + startup + attempt).
-    job_definition = syn.deps.job_definitions[_step(step).job_definition]
+    job_definition = syn.deps.job_definitions[_step(step).name]
     attempts, attempt_minutes = job_definition.retry_attempts, job_definition.timeout.to_minutes()
     per_attempt = QUEUE_WAIT.to_minutes() + TEST_CONFIG.startup_minutes + attempt_minutes
     assert definition["States"][step]["TimeoutSeconds"] >= attempts * per_attempt * 60
@@ -182,8 +183,8 @@ def test_one_failure_path_notifies_then_fails(syn, definition):
     for name in ("InvalidInput", "NoData", "MalformedCurrentModel", "MalformedGateReport", "PublishConflicts"):
         assert states[name]["Next"] == "NotifyFailure", name
     # Batch states retry only the Batch API errors.
-    for step in STEPS:
-        (retry,) = states[step.name]["Retry"]
+    for step in PIPELINE_STEPS:
+        (retry,) = states[step.state]["Retry"]
         assert sorted(retry["ErrorEquals"]) == sorted(BATCH_API_ERRORS)
 
 

@@ -19,8 +19,8 @@ import pytest
 
 from infra_synth import REPO_ROOT
 from pipeline_steps.heartbeat import Heartbeat
+from pipeline_steps.contract import PIPELINE_STEPS
 from stacks.constructs.job_definitions import construct_name
-from stacks.constructs.training_pipeline import STEPS
 
 ENTRYPOINT = REPO_ROOT / "training_image" / "entrypoint.sh"
 
@@ -51,14 +51,14 @@ def pipeline(dev_templates):
     return _definition(dev_templates["pipeline"], "TrainingPipelineStateMachine")
 
 
-@pytest.mark.parametrize("step", STEPS, ids=lambda s: s.name)
+@pytest.mark.parametrize("step", PIPELINE_STEPS, ids=lambda s: s.state)
 def test_every_command_parameter_is_supplied(dev_templates, pipeline, step):
     """A `Ref::x` nobody fills stays literal and the entrypoint refuses it (exit 78) at run time."""
-    job = _job_definition(dev_templates["compute"], step.job_definition)
+    job = _job_definition(dev_templates["compute"], step.name)
     needed = {m for arg in _command(job) for m in re.findall(r"Ref::(\w+)", arg)}
-    submitted = {k.removesuffix(".$") for k in pipeline["States"][step.name]["Parameters"]["Parameters"]}
+    submitted = {k.removesuffix(".$") for k in pipeline["States"][step.state]["Parameters"]["Parameters"]}
     missing = needed - submitted - set(job.get("Parameters", {}))
-    assert not missing, f"{step.name}: {sorted(missing)} neither submitted nor defaulted"
+    assert not missing, f"{step.state}: {sorted(missing)} neither submitted nor defaulted"
 
 
 @pytest.mark.parametrize("state, key", [("Embed", "embed"), ("PrepareShards", "prepare-shards")])
@@ -336,10 +336,6 @@ def test_one_instance_table_and_synth_needs_no_torch():
 def test_state_machine_runs_the_contract_steps(dev_templates, pipeline):
     """Every step of pipeline_steps.contract.PIPELINE_STEPS is a Batch state named after it that
     submits the job of the same name, on the queue its node count needs, and nothing else is."""
-    from pipeline_steps.contract import PIPELINE_STEPS
-
-    assert [(s.name, s.job_definition, s.multi_node) for s in STEPS] == \
-        [(s.state, s.name, s.multi_node) for s in PIPELINE_STEPS]
     submits = {name: state for name, state in pipeline["States"].items()
                if state.get("Resource", "").endswith(":batch:submitJob.sync")}
     assert set(submits) == {s.state for s in PIPELINE_STEPS}
@@ -351,7 +347,7 @@ def test_state_machine_runs_the_contract_steps(dev_templates, pipeline):
 def test_job_definitions_run_the_contract_steps(dev_templates):
     """Each step's job definition runs that CLI step, multi-node exactly when the contract says so,
     in the run directory FSX_RUNS/<run id> on the FSx mount; the canary runs sanity under FSX_CANARY."""
-    from pipeline_steps.contract import CANARY_JOB, FSX_CANARY, FSX_MOUNT_POINT, FSX_RUNS, PIPELINE_STEPS
+    from pipeline_steps.contract import CANARY_JOB, FSX_CANARY, FSX_MOUNT_POINT, FSX_RUNS
 
     for step in PIPELINE_STEPS:
         job = _job_definition(dev_templates["compute"], step.name)
