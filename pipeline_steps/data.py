@@ -25,7 +25,6 @@ This is a library; the step is `python -m pipeline_steps prepare --run-dir DIR -
 from __future__ import annotations
 
 import hashlib
-import heapq
 import itertools
 import json
 import logging
@@ -752,29 +751,34 @@ class TextSample:
 
     def __init__(self, size: int):
         self.size = size
-        self._heap: list[tuple[int, str]] = []  # (-hash, text): the root is the largest hash kept
+        self._hashes = np.zeros(0, dtype=np.uint64)  # of the kept texts, in the order of _texts
+        self._texts = np.empty(0, dtype=object)
         self._kept: set[str] = set()
 
     def update(self, texts: Iterable[str]) -> None:
         new = list(set(texts) - self._kept)
         hashes = np.fromiter((int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big")
                               for text in new), dtype=np.uint64, count=len(new))
-        if len(self._heap) >= self.size:  # only a hash below the largest kept one can enter
-            below = np.flatnonzero(hashes < np.uint64(-self._heap[0][0]))
+        if len(self._hashes) >= self.size:  # only a hash below the largest kept one can enter
+            below = np.flatnonzero(hashes < self._hashes.max())
             new, hashes = [new[i] for i in below], hashes[below]
         if not new:
             return
-        # The `size` smallest of the kept and the new hashes, found by numpy instead of a heap walk.
-        texts = [text for _, text in self._heap] + new
-        every = np.concatenate([np.array([-h for h, _ in self._heap], dtype=np.uint64), hashes])
-        keep = np.argpartition(every, self.size - 1)[:self.size] if len(every) > self.size else range(len(every))
-        self._heap = [(-int(every[i]), texts[i]) for i in keep]
-        heapq.heapify(self._heap)
-        self._kept = {text for _, text in self._heap}
+        # The `size` smallest of the kept and the new hashes, found by numpy; the kept texts stay
+        # in arrays, so an update costs the new texts, not a rebuild of the whole sample in Python.
+        every = np.concatenate([self._hashes, hashes])
+        texts = np.concatenate([self._texts, np.array(new, dtype=object)])
+        if len(every) > self.size:
+            keep = np.argpartition(every, self.size - 1)[:self.size]
+            every, texts = every[keep], texts[keep]
+            self._kept = set(texts.tolist())
+        else:
+            self._kept.update(new)
+        self._hashes, self._texts = every, texts
 
     def texts(self) -> list[str]:
         """The sample, in hash order (deterministic)."""
-        return [text for _, text in sorted(self._heap, reverse=True)]
+        return [text for _, text in sorted(zip([-h for h in self._hashes.tolist()], self._texts.tolist()), reverse=True)]
 
 
 # ---------------------------------------------------------------------------------------------
