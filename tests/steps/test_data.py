@@ -225,13 +225,23 @@ _AWKWARD = ["grey", "Sofa", " ", "  ", "\t", "\n", "\u00a0", "\u2003", "\x1c", "
             "\u0130", "\ufb01", "\u65e5\u672c", ".", ",!", "-", "[CLS]", "[SEP]", "[MASK]", "[", "CLS]", "x" * 120]
 
 
+def _word_test_tokenizer(bert_normalizer: bool):
+    from tokenizers import Tokenizer, normalizers
+
+    tokenizer = D.train_tokenizer(["grey sofa", "caf\u00e9 cr\u00e8me", "oak table, blue lamp!"] * 3, 80)
+    if bert_normalizer:  # what a Hugging Face BERT tokenizer.json (--pretrained) uses
+        tokenizer = Tokenizer.from_str(tokenizer.to_str())
+        tokenizer.normalizer = normalizers.BertNormalizer()
+    return tokenizer
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.lists(st.sampled_from(_AWKWARD), max_size=30).map("".join), min_size=1, max_size=8),
-       st.sampled_from([3, 6, 12]))
-def test_encoding_by_words_gives_the_rows_of_encoding_whole_texts(texts, max_length):
+       st.sampled_from([3, 6, 12]), st.booleans())
+def test_encoding_by_words_gives_the_rows_of_encoding_whole_texts(texts, max_length, bert_normalizer):
     """Tokenising each distinct space-separated word once and assembling the rows is exact:
     accents, case, punctuation, other whitespace, special-token strings and truncation included."""
-    tokenizer = D.train_tokenizer(["grey sofa", "caf\u00e9 cr\u00e8me", "oak table, blue lamp!"] * 3, 80)
+    tokenizer = _word_test_tokenizer(bert_normalizer)
     encoder = D.TextEncoder(tokenizer, max_length, capacity=0)
     assert encoder._words is not None
     got, expected = encoder._words(texts), D._encode_rows(encoder._tok, texts, max_length)
