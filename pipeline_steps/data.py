@@ -778,7 +778,8 @@ class TextSample:
 
     def texts(self) -> list[str]:
         """The sample, in hash order (deterministic)."""
-        return [text for _, text in sorted(zip([-h for h in self._hashes.tolist()], self._texts.tolist()), reverse=True)]
+        ordered = sorted(zip([-h for h in self._hashes.tolist()], self._texts.tolist()), reverse=True)
+        return [text for _, text in ordered]
 
 
 # ---------------------------------------------------------------------------------------------
