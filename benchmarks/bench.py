@@ -18,7 +18,10 @@ Measures, in one process, against a well-known peer and against this machine's o
             its own peak RSS (prepare_records_per_s, prepare_peak_rss_mb); then the RSS each training
             rank adds privately by loading that prepared data, with 1 and with 2 ranks under torchrun
             (train_data_rss_mb_per_rank at 2 ranks; train_data_node_rss_growth = the node's data RSS
-            with 2 ranks / with 1 rank).
+            with 2 ranks / with 1 rank); then the same upload as an array job (plan, 2 shard children
+            one after the other, finish), each phase's wall and peak RSS (prepare_sharded), the largest
+            peak (prepare_sharded_peak_rss_mb), and whether its data files equal the single prepare's
+            (prepare_sharded_identical).
 
 Method: warm-up first; then `repeats` rounds in which ours and the peer (and the GEMM ceiling) run
 back to back, in alternating order; every ratio is taken within a round and the median over rounds
@@ -541,11 +544,47 @@ def bench_prepare(work: Path, num_records: int, preset: str) -> dict[str, Any]:
     run_dir = work / "prepare-run"
     wall, cpu, rss = _run_measured(["prepare", "--run-dir", str(run_dir), "--data", str(upload_dir), "--preset", preset])
     ranks = [_rank_data_rss(run_dir, n) for n in (1, 2)]
+    sharded = bench_prepare_sharded(work, upload_dir, run_dir, preset)
     return {"records": records, "preset": preset, "wall_s": wall, "cpu_s": cpu,
             "prepare_records_per_s": records / wall, "prepare_records_per_cpu_s": records / cpu,
             "prepare_peak_rss_mb": rss / 2**20, "train_data_rss_by_ranks": ranks,
             "train_data_rss_mb_per_rank": ranks[-1]["private_mb"],
-            "train_data_node_rss_growth": ranks[-1]["node_mb"] / ranks[0]["node_mb"]}
+            "train_data_node_rss_growth": ranks[-1]["node_mb"] / ranks[0]["node_mb"], **sharded}
+
+
+SHARDED_CHILDREN = 2
+"""Array children of the sharded prepare measurement, run one after the other."""
+
+
+def _phase(wall: float, cpu: float, rss: int) -> dict[str, float]:
+    return {"wall_s": wall, "cpu_s": cpu, "peak_rss_mb": rss / 2**20}
+
+
+def _data_file_hashes(prepared: Path) -> dict[str, str]:
+    """sha256 of the files training reads and the quarantine (the Parquet pair files are cut into
+    other row groups by the finish, and prepare.json records paths and times)."""
+    from pipeline_steps.fileio import sha256_file
+
+    return {f.name: sha256_file(f) for f in sorted([*prepared.glob("*.npy"), prepared / "quarantine.jsonl"])}
+
+
+def bench_prepare_sharded(work: Path, upload_dir: Path, single_run_dir: Path, preset: str) -> dict[str, Any]:
+    """`prepare --phase plan`, SHARDED_CHILDREN `--phase shard` children and `--phase finish` on the
+    same upload, each in its own measured process: wall, CPU and peak RSS per phase (the shard
+    entry is the largest over the children), the largest peak over the phases, and whether the
+    data files equal the single prepare's."""
+    run_dir = work / "prepare-sharded-run"
+    run = ["--run-dir", str(run_dir)]
+    plan = _phase(*_run_measured(["prepare", "--phase", "plan", *run, "--data", str(upload_dir), "--preset", preset]))
+    children = [_phase(*_run_measured(["prepare", "--phase", "shard", *run, "--shard-index", str(i),
+                                       "--shard-count", str(SHARDED_CHILDREN)])) for i in range(SHARDED_CHILDREN)]
+    finish = _phase(*_run_measured(["prepare", "--phase", "finish", *run]))
+    shard = {key: max(child[key] for child in children) for key in children[0]}
+    phases = {"plan": plan, "shard": {**shard, "children": SHARDED_CHILDREN}, "finish": finish}
+    single = _data_file_hashes(single_run_dir / data_lib.PREPARED)
+    return {"prepare_sharded": phases,
+            "prepare_sharded_peak_rss_mb": max(p["peak_rss_mb"] for p in phases.values()),
+            "prepare_sharded_identical": single == _data_file_hashes(run_dir / data_lib.PREPARED)}
 
 
 _RANK_PROBE = """
@@ -716,7 +755,7 @@ def _run_prepare_section(args: argparse.Namespace, work: Path, preset: str, resu
     num_records = args.prepare_records or (20_000 if args.quick else PREPARE_RECORDS)
     log.info("bench prepare: %d records (%s preset)", num_records, preset)
     result["prepare"] = bench_prepare(work, num_records, preset)
-    for key in PREPARE_TARGETS:
+    for key in (*PREPARE_TARGETS, "prepare_sharded", "prepare_sharded_peak_rss_mb", "prepare_sharded_identical"):
         result[key] = result["prepare"][key]
 
 
@@ -768,6 +807,13 @@ def prepare_table(result: dict[str, Any]):
     }
     for key, (op, target) in PREPARE_TARGETS.items():
         table.add_row(key, rows[key], f"{op} {target:g}", _met(pr[key], op, target))
+    for name, phase in pr["prepare_sharded"].items():
+        table.add_row(f"prepare_sharded.{name}", f"{phase['wall_s']:.1f} s wall, {phase['cpu_s']:.1f} CPU s, "
+                                                 f"peak RSS {phase['peak_rss_mb']:.0f} MB", "-", "-")
+    table.add_row("prepare_sharded_peak_rss_mb", f"{pr['prepare_sharded_peak_rss_mb']:.0f}", "<= 1536",
+                  _met(pr["prepare_sharded_peak_rss_mb"], "<=", 1536.0))
+    table.add_row("prepare_sharded_identical", str(pr["prepare_sharded_identical"]).lower(), "true",
+                  "yes" if pr["prepare_sharded_identical"] else "NO")
     for r in pr["train_data_rss_by_ranks"]:
         table.add_row(f"train data RSS MB per rank, {r['ranks']} rank(s)",
                       f"private {r['private_mb']:.1f}, shared (page cache) {r['shared_mb']:.1f}; "

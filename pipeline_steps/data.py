@@ -13,7 +13,6 @@ A library; the step is `python -m pipeline_steps prepare --run-dir DIR --demo`.
 from __future__ import annotations
 
 import hashlib
-import heapq
 import itertools
 import json
 import logging
@@ -552,6 +551,7 @@ class TextEncoder:
         self._tok = Tokenizer.from_str(tokenizer.to_str())
         self._tok.enable_truncation(max_length=max_length)
         self._tok.no_padding()  # padding here is cheaper than turning 0s into Python ints and back
+        self._words = WordEncoder.of(tokenizer, max_length)
         self.max_length, self.capacity = max_length, capacity
         self._row: dict[str, int] = {}
         self._ids = np.zeros((0, max_length), dtype=np.int32)
@@ -582,18 +582,110 @@ class TextEncoder:
         self._lengths = np.concatenate([self._lengths, lengths[:room]])
 
     def _encode(self, distinct: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        ids = np.zeros((len(distinct), self.max_length), dtype=np.int32)
-        lengths = np.zeros(len(distinct), dtype=np.int32)
-        for start in range(0, len(distinct), ENCODE_CHUNK):
-            encodings = self._tok.encode_batch_fast(distinct[start:start + ENCODE_CHUNK])  # no character offsets
-            id_lists = [e.ids for e in encodings]  # each .ids builds a new Python list: once per encoding
-            chunk_lengths = np.fromiter(map(len, id_lists), dtype=np.int32, count=len(id_lists))
-            flat = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int32, count=int(chunk_lengths.sum()))
-            rows = np.repeat(np.arange(start, start + len(encodings)), chunk_lengths)
-            cols = np.arange(len(flat)) - np.repeat(np.cumsum(chunk_lengths) - chunk_lengths, chunk_lengths)
-            ids[rows, cols] = flat
-            lengths[start:start + len(encodings)] = chunk_lengths
+        if self._words is not None:
+            return self._words(distinct)
+        return _encode_rows(self._tok, distinct, self.max_length)
+
+
+def _encode_rows(tok: Tokenizer, texts: Sequence[str], width: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int32 [n, width] 0-padded, lengths int32 [n]) of `texts` as `tok` encodes them (its
+    truncation included), ENCODE_CHUNK texts per call."""
+    ids = np.zeros((len(texts), width), dtype=np.int32)
+    lengths = np.zeros(len(texts), dtype=np.int32)
+    for start in range(0, len(texts), ENCODE_CHUNK):
+        encodings = tok.encode_batch_fast(texts[start:start + ENCODE_CHUNK])  # no character offsets
+        id_lists = [e.ids for e in encodings]  # each .ids builds a new Python list: once per encoding
+        chunk_lengths = np.fromiter(map(len, id_lists), dtype=np.int32, count=len(id_lists))
+        flat = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int32, count=int(chunk_lengths.sum()))
+        rows = np.repeat(np.arange(start, start + len(encodings)), chunk_lengths)
+        cols = np.arange(len(flat)) - np.repeat(np.cumsum(chunk_lengths) - chunk_lengths, chunk_lengths)
+        ids[rows, cols] = flat
+        lengths[start:start + len(encodings)] = chunk_lengths
+    return ids, lengths
+
+
+WORD_CHUNK_CHARS = 1 << 21
+"""Characters of text split into words at a time (bounds the word arrays: ~20 bytes per word)."""
+_SPACE_SAFE_NORMALIZERS = frozenset({"NFD", "Lowercase", "StripAccents", "BertNormalizer"})
+"""Normalizers that map each character on its own (NFD reorders only combining marks, which a
+space separates), so a space stays a space and nothing crosses it."""
+
+
+class WordEncoder:
+    """`encode_texts` by words: the tokens of a text are the tokens of its space-separated words
+    in order, so each distinct word is tokenised once and the rows are assembled with numpy. Exact
+    for the tokenizers `of` accepts: every stage treats a space as a boundary (normalizers that
+    map characters one by one, the BERT pre-tokenizer that splits at whitespace, WordPiece per
+    word, added tokens without spaces or stripping), and the post-processor wraps a text in one
+    token before and one after ([CLS] ... [SEP]). Product texts are built from a few templates and
+    a small vocabulary, so this tokenises thousands of distinct words instead of every text."""
+
+    def __init__(self, inner: Tokenizer, max_length: int, first: int, last: int):
+        self._inner, self.max_length, self.first, self.last = inner, max_length, first, last
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer, max_length: int) -> WordEncoder | None:
+        """The word encoder of `tokenizer`, None when its output could differ from encoding whole texts."""
+        spec = json.loads(tokenizer.to_str())
+        normalizer = spec.get("normalizer") or {"type": "Sequence", "normalizers": []}
+        steps = normalizer.get("normalizers", []) if normalizer["type"] == "Sequence" else [normalizer]
+        post = spec.get("post_processor") or {}
+        single = post.get("single", [])
+        if (max_length <= 2 or any(step.get("type") not in _SPACE_SAFE_NORMALIZERS for step in steps)
+                or (spec.get("pre_tokenizer") or {}).get("type") != "BertPreTokenizer"
+                or spec["model"].get("type") != "WordPiece"
+                or any(t["lstrip"] or t["rstrip"] or t["single_word"] or any(c.isspace() for c in t["content"])
+                       for t in spec.get("added_tokens", []))
+                or post.get("type") != "TemplateProcessing"
+                or [next(iter(part)) for part in single] != ["SpecialToken", "Sequence", "SpecialToken"]):
+            return None
+        first, last = (post["special_tokens"][single[k]["SpecialToken"]["id"]]["ids"] for k in (0, 2))
+        if len(first) != 1 or len(last) != 1:
+            return None
+        # The words' own tokens, without [CLS]/[SEP], cut at the room a text leaves for them.
+        spec.update(post_processor=None, truncation=None, padding=None)
+        inner = Tokenizer.from_str(json.dumps(spec))
+        inner.enable_truncation(max_length=max_length - 2)
+        inner.no_padding()
+        return cls(inner, max_length, first[0], last[0])
+
+    def __call__(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(token_ids int32 [n, max_length], lengths int32 [n]), as encode_texts."""
+        ids = np.zeros((len(texts), self.max_length), dtype=np.int32)
+        lengths = np.zeros(len(texts), dtype=np.int32)
+        ends = np.cumsum(np.fromiter(map(len, texts), dtype=np.int64, count=len(texts)) + 1)
+        start = 0
+        while start < len(texts):
+            # At least one text per chunk; then as many as fit in WORD_CHUNK_CHARS.
+            before = ends[start - 1] if start else 0
+            stop = max(start + 1, int(np.searchsorted(ends, before + WORD_CHUNK_CHARS, side="right")))
+            self._fill(texts[start:stop], ids[start:stop], lengths[start:stop])
+            start = stop
         return ids, lengths
+
+    def _fill(self, texts: Sequence[str], ids: np.ndarray, lengths: np.ndarray) -> None:
+        room = self.max_length - 2
+        words = pc.split_pattern(pa.array(texts, pa.string()), " ")  # "" -> [""]: every text has a word
+        per_text = pc.list_value_length(words).to_numpy(zero_copy_only=False).astype(np.int64)
+        distinct, word = distinct_texts(words.flatten())
+        word_ids, word_lengths = _encode_rows(self._inner, distinct, room)
+        # One entry per word occurrence, then one per token: where each token lands in its text.
+        occurrence_tokens = word_lengths[word].astype(np.int64)
+        text_of = np.repeat(np.arange(len(texts)), per_text)
+        ends = np.cumsum(occurrence_tokens)
+        starts = ends - occurrence_tokens
+        first_occurrence = np.cumsum(per_text) - per_text
+        text_start = starts[first_occurrence]
+        position = starts - text_start[text_of]  # of the occurrence's first token in its text
+        token_of = np.repeat(np.arange(len(word)), occurrence_tokens)
+        within = np.arange(len(token_of)) - starts[token_of]
+        column = position[token_of] + within
+        keep = column < room
+        token_of, within, column = token_of[keep], within[keep], column[keep]
+        ids[text_of[token_of], column + 1] = word_ids[word[token_of], within]
+        lengths[:] = np.minimum(ends[first_occurrence + per_text - 1] - text_start, room) + 2
+        ids[:, 0] = self.first
+        ids[np.arange(len(texts)), lengths - 1] = self.last
 
 
 def encode_texts(tokenizer: Tokenizer, texts: Sequence[str], max_length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -647,29 +739,35 @@ class TextSample:
 
     def __init__(self, size: int):
         self.size = size
-        self._heap: list[tuple[int, str]] = []  # (-hash, text): the root is the largest hash kept
+        self._hashes = np.zeros(0, dtype=np.uint64)  # of the kept texts, in the order of _texts
+        self._texts = np.empty(0, dtype=object)
         self._kept: set[str] = set()
 
     def update(self, texts: Iterable[str]) -> None:
         new = list(set(texts) - self._kept)
         hashes = np.fromiter((int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big")
                               for text in new), dtype=np.uint64, count=len(new))
-        if len(self._heap) >= self.size:  # only a hash below the largest kept one can enter
-            below = np.flatnonzero(hashes < np.uint64(-self._heap[0][0]))
+        if len(self._hashes) >= self.size:  # only a hash below the largest kept one can enter
+            below = np.flatnonzero(hashes < self._hashes.max())
             new, hashes = [new[i] for i in below], hashes[below]
         if not new:
             return
-        # The `size` smallest of the kept and the new hashes, found by numpy instead of a heap walk.
-        texts = [text for _, text in self._heap] + new
-        every = np.concatenate([np.array([-h for h, _ in self._heap], dtype=np.uint64), hashes])
-        keep = np.argpartition(every, self.size - 1)[:self.size] if len(every) > self.size else range(len(every))
-        self._heap = [(-int(every[i]), texts[i]) for i in keep]
-        heapq.heapify(self._heap)
-        self._kept = {text for _, text in self._heap}
+        # The `size` smallest of the kept and the new hashes, found by numpy; the kept texts stay
+        # in arrays, so an update costs the new texts, not a rebuild of the whole sample in Python.
+        every = np.concatenate([self._hashes, hashes])
+        texts = np.concatenate([self._texts, np.array(new, dtype=object)])
+        if len(every) > self.size:
+            keep = np.argpartition(every, self.size - 1)[:self.size]
+            every, texts = every[keep], texts[keep]
+            self._kept = set(texts.tolist())
+        else:
+            self._kept.update(new)
+        self._hashes, self._texts = every, texts
 
     def texts(self) -> list[str]:
         """The sample, in hash order (deterministic)."""
-        return [text for _, text in sorted(self._heap, reverse=True)]
+        ordered = sorted(zip([-h for h in self._hashes.tolist()], self._texts.tolist()), reverse=True)
+        return [text for _, text in ordered]
 
 
 # ---------------------------------------------------------------------------------------------

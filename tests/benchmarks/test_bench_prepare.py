@@ -20,6 +20,15 @@ def test_bench_prepare_measures_a_prepare_process_and_a_rank(tmp_path):
     assert [r["ranks"] for r in result["train_data_rss_by_ranks"]] == [1, 2]
     assert all(r["node_mb"] >= r["private_mb"] * r["ranks"] for r in result["train_data_rss_by_ranks"])
     assert (tmp_path / "prepare-run" / "prepared" / "prepare.json").is_file()
+    # The same upload as an array job: plan, 2 shard children, finish; each phase measured.
+    phases = result["prepare_sharded"]
+    assert set(phases) == {"plan", "shard", "finish"} and phases["shard"]["children"] == 2
+    for phase in phases.values():
+        for key in ("wall_s", "cpu_s", "peak_rss_mb"):
+            assert isinstance(phase[key], float) and math.isfinite(phase[key]) and phase[key] > 0, key
+    assert result["prepare_sharded_peak_rss_mb"] == max(p["peak_rss_mb"] for p in phases.values())
+    assert result["prepare_sharded_identical"] is True
+    assert (tmp_path / "prepare-sharded-run" / "prepared" / "prepare.json").is_file()
 
 
 def test_the_measured_peak_rss_is_the_child_s_own_not_the_parent_s():

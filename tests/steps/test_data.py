@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from pipeline_steps import data as D
 from pipeline_steps.errors import BadInputError
@@ -218,3 +219,42 @@ def test_a_text_encoder_remembers_texts_across_calls_without_changing_their_rows
             np.testing.assert_array_equal(got[0], expected[0])
             np.testing.assert_array_equal(got[1], expected[1])
         assert len(encoder._row) == min(capacity, 4)
+
+
+_AWKWARD = ["grey", "Sofa", " ", "  ", "\t", "\n", "\u00a0", "\u2003", "\x1c", "caf\u00e9", "e\u0301", "\u0301", "\u03a3",
+            "\u0130", "\ufb01", "\u65e5\u672c", ".", ",!", "-", "[CLS]", "[SEP]", "[MASK]", "[", "CLS]", "x" * 120]
+
+
+def _word_test_tokenizer(bert_normalizer: bool):
+    from tokenizers import Tokenizer, normalizers
+
+    tokenizer = D.train_tokenizer(["grey sofa", "caf\u00e9 cr\u00e8me", "oak table, blue lamp!"] * 3, 80)
+    if bert_normalizer:  # what a Hugging Face BERT tokenizer.json (--pretrained) uses
+        tokenizer = Tokenizer.from_str(tokenizer.to_str())
+        tokenizer.normalizer = normalizers.BertNormalizer()
+    return tokenizer
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.sampled_from(_AWKWARD), max_size=30).map("".join), min_size=1, max_size=8),
+       st.sampled_from([3, 6, 12]), st.booleans())
+def test_encoding_by_words_gives_the_rows_of_encoding_whole_texts(texts, max_length, bert_normalizer):
+    """Tokenising each distinct space-separated word once and assembling the rows is exact:
+    accents, case, punctuation, other whitespace, special-token strings and truncation included."""
+    tokenizer = _word_test_tokenizer(bert_normalizer)
+    encoder = D.TextEncoder(tokenizer, max_length, capacity=0)
+    assert encoder._words is not None
+    got, expected = encoder._words(texts), D._encode_rows(encoder._tok, texts, max_length)
+    np.testing.assert_array_equal(got[0], expected[0])
+    np.testing.assert_array_equal(got[1], expected[1])
+
+
+def test_a_tokenizer_whose_words_can_span_spaces_is_encoded_whole():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = D.train_tokenizer(["grey sofa", "oak table"] * 3, 64)
+    assert D.WordEncoder.of(tokenizer, 8) is not None
+    metaspace = Tokenizer.from_str(tokenizer.to_str())
+    metaspace.pre_tokenizer = pre_tokenizers.Metaspace()  # "\u2581word": the space belongs to the token
+    assert D.WordEncoder.of(metaspace, 8) is None
+    assert D.WordEncoder.of(Tokenizer(models.WordPiece(unk_token="[UNK]")), 8) is None  # no [CLS] ... [SEP]
