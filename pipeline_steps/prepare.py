@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 
 from . import batch_validation as V, data as D
 from .config import DataConfig, get_preset, to_dict
-from .contract import FSX_INCOMING
+from .contract import FSX_INCOMING, PREPARE_REPORT
 from .errors import BadConfigError, BadInputError, StepError
 from . import tracking, upload
 from .fileio import atomic_path, atomic_write_bytes, atomic_write_json, sha256_file
@@ -578,7 +578,7 @@ def prepare(args: argparse.Namespace, preset) -> dict[str, Any]:
     cfg = data_config(args, preset)
     out = args.run_dir / D.PREPARED
     out.mkdir(parents=True, exist_ok=True)
-    (out / "prepare.json").unlink(missing_ok=True)  # invalidate first: a crash below leaves no "ok" marker
+    (args.run_dir / PREPARE_REPORT).unlink(missing_ok=True)  # invalidate first: a crash below leaves no "ok" marker
 
     product_files, pair_files = resolve_inputs(args, args.run_dir, args.seed)
     inputs = {"products": _input_checksums(product_files), "pairs": _input_checksums(pair_files)}
@@ -596,7 +596,7 @@ def prepare(args: argparse.Namespace, preset) -> dict[str, Any]:
         products = build_products(product_records, tokenizer, schema, cfg)
     except StepError as exc:
         # The report of a failed run says why, next to the quarantine that explains it.
-        atomic_write_json(out / "prepare.json", {**report, "error": str(exc)})
+        atomic_write_json(args.run_dir / PREPARE_REPORT, {**report, "error": str(exc)})
         raise
     write_outputs(out, tokenizer_bytes, schema, products)
     stats = write_pairs(spilled, tokenizer, schema, cfg, products, out)
@@ -609,7 +609,7 @@ def prepare(args: argparse.Namespace, preset) -> dict[str, Any]:
                              "vocab_size": tokenizer.get_vocab_size()},
                   schema_coverage=schema_coverage(schema, product_records, products),
                   elapsed_s=round(time.time() - started, 3))
-    atomic_write_json(out / "prepare.json", report)
+    atomic_write_json(args.run_dir / PREPARE_REPORT, report)
     log.info("prepared %d products, %d train / %d holdout pairs in %s (%.1fs)", len(products), stats.num["train"],
              stats.num["holdout"], out, report["elapsed_s"])
     return report

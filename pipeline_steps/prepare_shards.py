@@ -35,6 +35,7 @@ from . import data as D
 from . import prepare as P
 from . import upload
 from .config import DataConfig, from_dict, to_dict
+from .contract import PREPARE_REPORT
 from .errors import BadInputError, StepError
 from .fileio import atomic_path, atomic_write_bytes, atomic_write_json, read_json, sha256_file
 from .shards import remove_stale_temps, resolve_shard, shard_bounds
@@ -152,7 +153,7 @@ def plan(args: argparse.Namespace, preset) -> dict[str, Any]:
     out = args.run_dir / D.PREPARED
     shards = out / SHARDS
     shards.mkdir(parents=True, exist_ok=True)
-    (out / "prepare.json").unlink(missing_ok=True)  # a new prepare starts: no old "ok" beside new files
+    (args.run_dir / PREPARE_REPORT).unlink(missing_ok=True)  # a new prepare starts: no old "ok" beside new files
     (shards / PLAN).unlink(missing_ok=True)
 
     product_files, pair_files = P.resolve_inputs(args, args.run_dir, args.seed)
@@ -180,7 +181,7 @@ def plan(args: argparse.Namespace, preset) -> dict[str, Any]:
             args.init_from, cfg, records, P.SpilledPairs([], 0, 0, 0, sample, set()), args.pretrained, out)
         products = P.build_products(records, tokenizer, schema, cfg)
     except StepError as exc:
-        atomic_write_json(out / "prepare.json", {**report, "error": str(exc)})
+        atomic_write_json(args.run_dir / PREPARE_REPORT, {**report, "error": str(exc)})
         raise
     atomic_write_bytes(shards / "tokenizer.json", tokenizer_bytes)
     schema.save(shards / "schema.json")
@@ -400,7 +401,7 @@ def finish(run_dir: Path, shard_count: int | None = None, max_bad_fraction: floa
     out = Path(run_dir) / D.PREPARED
     shards = out / SHARDS
     plan_doc = load_plan(shards)
-    done = out / "prepare.json"
+    done = Path(run_dir) / PREPARE_REPORT
     if done.is_file():
         previous = read_json(done)
         if previous.get("status") == "ok" and previous.get("shards", {}).get("plan_id") == plan_doc["plan_id"]:

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from .contract import INSTANCE_TYPE_ENV, RUN_ID_ENV
+from .contract import INSTANCE_TYPE_ENV, PREPARE_REPORT, RUN_ID_ENV
 from .errors import ExitCode
 from .fileio import atomic_write_json, read_json
 from .packages import versions  # metadata only: a step that needs no torch never imports it
@@ -86,7 +86,7 @@ def git_commit(environ: Mapping[str, str] = os.environ) -> str | None:
 
 def data_manifest_hash(run_dir: Path) -> str | None:
     """sha256 over the input files' checksums, computed by prepare (prepare.json `input_sha256`)."""
-    path = Path(run_dir) / "prepared" / "prepare.json"
+    path = Path(run_dir) / PREPARE_REPORT
     if not path.exists():
         return None
     report = read_json(path)

@@ -29,7 +29,7 @@ def test_steps_use_the_contract_objects_not_copies():
     assert errors.EXIT_CODE_FILE_ENV == contract.EXIT_CODE_FILE_ENV
     assert (heartbeat.NAMESPACE, heartbeat.METRIC_STEP, heartbeat.ENV_RUN_ID) == \
         (contract.HEARTBEAT_NAMESPACE, contract.HEARTBEAT_STEP_METRIC, contract.RUN_ID_ENV)
-    assert data.PREPARED == contract.PREPARED_DIR  # a copy: data.py keeps its own name for the directory
+    assert data.PREPARED is contract.PREPARED_DIR  # data.py re-exports it under its own name
 
 
 def test_fsx_paths_live_under_the_mount_point():
