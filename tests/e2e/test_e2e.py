@@ -153,12 +153,13 @@ def test_compile_and_train_get_identical_commands_compiler_flags_and_cache(first
 
 @pytest.fixture(scope="package")
 def explicit_init_run(e2e_world, rejected_run):
-    """A manual run of the v1 data with init_from = the published model, given in the input."""
-    e2e_world.sfn.start_execution(stateMachineArn=e2e_world.pipeline_arn, name=f"{DATASET}-v1-incremental",
-                                  input=f'{{"dataset": "{DATASET}", "version": "v1", "embed_shards": 2, '
-                                        f'"data_uri": "/fsx/data/incoming/{DATASET}/v1", '
+    """A manual run with init_from = the published model, given in the input. It trains on the
+    mismatched v2 upload, so the gate rejects it and the run ends after Validate (no Embed)."""
+    e2e_world.sfn.start_execution(stateMachineArn=e2e_world.pipeline_arn, name=f"{DATASET}-v2-incremental",
+                                  input=f'{{"dataset": "{DATASET}", "version": "v2", "embed_shards": 2, '
+                                        f'"data_uri": "/fsx/data/incoming/{DATASET}/v2", '
                                         f'"init_from": "/fsx/runs/{DATASET}-v1"}}')
-    result = e2e_world.wait_for_run(f"{DATASET}-v1-incremental")
+    result = e2e_world.wait_for_run(f"{DATASET}-v2-incremental")
     print("\n" + e2e_world.format_path(result))
     return result
 

@@ -57,3 +57,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def tiny_run_local(tmp_path_factory):
+    """`run-local --preset tiny` once per backend and session: run(backend) -> (run dir, process).
+    The xla run is the longest test run; test_run_local.py and test_train.py assert on the same one."""
+    runs: dict[str, tuple[Path, subprocess.CompletedProcess]] = {}
+
+    def run(backend: str) -> tuple[Path, subprocess.CompletedProcess]:
+        if backend not in runs:
+            run_dir = tmp_path_factory.mktemp("run-local") / backend
+            runs[backend] = run_dir, run_cli("run-local", "--run-dir", run_dir, "--preset", "tiny",
+                                             "--backend", backend, timeout=1200)
+        return runs[backend]
+
+    return run

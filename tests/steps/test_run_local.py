@@ -13,9 +13,8 @@ from .conftest import run_cli
 
 
 @pytest.mark.parametrize("backend", ["cpu", "xla"])
-def test_run_local_chains_every_step_and_reports(tmp_path: Path, backend: str, monkeypatch) -> None:
-    run_dir = tmp_path / backend
-    result = run_cli("run-local", "--run-dir", run_dir, "--preset", "tiny", "--backend", backend, timeout=1200)
+def test_run_local_chains_every_step_and_reports(tiny_run_local, backend: str, monkeypatch) -> None:
+    run_dir, result = tiny_run_local(backend)  # the xla run is shared with test_train.py
     assert result.returncode == 0, result.stderr[-4000:]
     report = read_json(run_dir / "report.json")
     names = [s["name"] for s in report["steps"]]

@@ -16,11 +16,13 @@ import pytest
 import torch
 
 from pipeline_steps import checkpoint
+from pipeline_steps.config import get_preset
 from pipeline_steps.data import train_tokenizer
 from pipeline_steps.errors import ExitCode
 from pipeline_steps.fileio import read_json
 
 from .conftest import REPO, cli_env, run_cli
+from .fixtures_trained import tiny_trained, trained_run  # noqa: F401  fixtures
 
 TRAIN = ("train", "--preset", "tiny", "--no-progress")
 
@@ -46,27 +48,40 @@ def test_two_process_gloo_ddp_training_learns_and_checkpoints(tiny_run: Path) ->
     assert checkpoint.step_of(checkpoint.latest(tiny_run)) == summary["steps"]
 
 
-def test_xla_training_compiles_nothing_after_warmup(tiny_run: Path) -> None:
-    # Two epochs with a checkpoint every 7 steps: the run crosses an epoch boundary, padded last
-    # batches and several checkpoint steps after warm-up; none of them may trace a new graph.
-    result = run_cli(*TRAIN, "--run-dir", tiny_run, "--backend", "xla", "--checkpoint-every", "7", "--epochs", "2")
+def test_xla_training_compiles_nothing_after_warmup(tiny_run_local) -> None:
+    # The train step of `run-local --backend xla` (shared with test_run_local.py): the tiny preset's
+    # two epochs cross an epoch boundary, padded last batches and checkpoint steps after warm-up;
+    # none of them may trace a new graph.
+    run_dir, result = tiny_run_local("xla")
     assert result.returncode == 0, result.stderr[-3000:]
-    xla = read_json(tiny_run / "train" / "xla.json")
+    assert get_preset("tiny").train.epochs == 2
+    xla = read_json(run_dir / "train" / "xla.json")
     assert xla["graphs_compiled"] > 0
     assert xla["compiles_after_warmup"] == 0, xla
     assert xla["warmup_steps"] <= 10
-    summary = read_json(tiny_run / "train" / "summary.json")
+    summary = read_json(run_dir / "train" / "summary.json")
     assert summary["steps"] > 2 * xla["warmup_steps"]
+    saved = [checkpoint.step_of(p) for p in (run_dir / "checkpoints").glob("step-*.pt")]
+    assert any(xla["warmup_steps"] < step < summary["steps"] for step in saved), saved
     assert len({tuple(s["doc_ids"]) for s in xla["batch_shapes"]}) == len(xla["batch_shapes"])
 
 
-def test_sigkilled_run_resumes_to_the_same_weights(tiny_run: Path, tmp_path: Path) -> None:
-    steps = ["--max-steps", "80", "--checkpoint-every", "4", "--backend", "cpu"]
-    reference = tmp_path / "reference"
-    shutil.copytree(tiny_run, reference)
-    assert run_cli(*TRAIN, "--run-dir", reference, *steps).returncode == 0
+RESUMED = ["--max-steps", "48", "--checkpoint-every", "4", "--backend", "cpu"]  # past the first epoch (42 steps)
 
-    cmd = [sys.executable, "-m", "pipeline_steps", *TRAIN, "--run-dir", str(tiny_run), *steps]
+
+@pytest.fixture(scope="module")
+def reference_run(tiny_prepared: Path, tmp_path_factory) -> Path:
+    """Read-only: a run dir trained without interruption with RESUMED's flags. The resumed run must
+    end at its weights; the incremental tests start from it."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    shutil.copytree(tiny_prepared, run_dir)
+    result = run_cli(*TRAIN, "--run-dir", run_dir, *RESUMED)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+def test_sigkilled_run_resumes_to_the_same_weights(tiny_run: Path, reference_run: Path) -> None:
+    cmd = [sys.executable, "-m", "pipeline_steps", *TRAIN, "--run-dir", str(tiny_run), *RESUMED]
     proc = subprocess.Popen(cmd, env=cli_env(), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     try:
@@ -81,56 +96,53 @@ def test_sigkilled_run_resumes_to_the_same_weights(tiny_run: Path, tmp_path: Pat
         proc.kill()
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
-    assert killed_at < 80, "the run finished before it could be killed; the test proved nothing"
+    assert killed_at < 48, "the run finished before it could be killed; the test proved nothing"
 
-    resumed = run_cli(*TRAIN, "--run-dir", tiny_run, *steps)
+    resumed = run_cli(*TRAIN, "--run-dir", tiny_run, *RESUMED)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stderr
-    expected, actual = final_weights(reference), final_weights(tiny_run)
+    expected, actual = final_weights(reference_run), final_weights(tiny_run)
     assert expected.keys() == actual.keys()
     for name in expected:
         assert torch.equal(expected[name], actual[name]), f"{name} differs after resume"
 
 
-def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tiny_run: Path) -> None:
-    assert run_cli(*TRAIN, "--run-dir", tiny_run, "--backend", "cpu", "--max-steps", "8",
-                   "--checkpoint-every", "4").returncode == 0
-    latest = checkpoint.latest(tiny_run)
-    assert checkpoint.step_of(latest) == 8
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(trained_run: Path) -> None:
+    latest = checkpoint.latest(trained_run)  # tiny_trained: checkpoints at steps 2 and 4
+    assert checkpoint.step_of(latest) == 4
     latest.write_bytes(latest.read_bytes()[: latest.stat().st_size // 2])  # a truncated write
 
-    result = run_cli(*TRAIN, "--run-dir", tiny_run, "--backend", "cpu", "--max-steps", "10", "--checkpoint-every", "4")
+    result = run_cli(*TRAIN, "--run-dir", trained_run, "--backend", "cpu", "--max-steps", "6",
+                     "--checkpoint-every", "2")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "step-000000008" in result.stderr and "WARNING" in result.stderr
-    assert "resuming from" in result.stderr and "(step 4," in result.stderr
-    assert checkpoint.step_of(checkpoint.latest(tiny_run)) == 10
+    assert "step-000000004" in result.stderr and "WARNING" in result.stderr
+    assert "resuming from" in result.stderr and "(step 2," in result.stderr
+    assert checkpoint.step_of(checkpoint.latest(trained_run)) == 6
 
 
 def test_incremental_training_keeps_the_tokenizer_and_starts_from_the_previous_model(
-        tiny_run: Path, tmp_path: Path) -> None:
-    assert run_cli(*TRAIN, "--run-dir", tiny_run, "--backend", "cpu", "--max-steps", "40").returncode == 0
-
+        reference_run: Path, tmp_path: Path) -> None:
     follow_up = tmp_path / "follow-up"
     prepared = run_cli("prepare", "--run-dir", follow_up, "--demo", "--preset", "tiny", "--seed", "7",
-                       "--init-from", tiny_run)
+                       "--init-from", reference_run)
     assert prepared.returncode == 0, prepared.stderr[-3000:]
     assert (follow_up / "prepared" / "tokenizer.json").read_bytes() == \
-        (tiny_run / "prepared" / "tokenizer.json").read_bytes()
+        (reference_run / "prepared" / "tokenizer.json").read_bytes()
 
-    result = run_cli(*TRAIN, "--run-dir", follow_up, "--backend", "cpu", "--max-steps", "3", "--init-from", tiny_run)
+    result = run_cli(*TRAIN, "--run-dir", follow_up, "--backend", "cpu", "--max-steps", "3",
+                     "--init-from", reference_run)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "incremental training" in result.stderr
-    from_scratch_first_loss = metrics(tiny_run)[0]["loss"]
+    from_scratch_first_loss = metrics(reference_run)[0]["loss"]
     assert metrics(follow_up)[0]["loss"] < 0.8 * from_scratch_first_loss
 
 
-def test_incremental_training_refuses_a_different_tokenizer(tiny_run: Path, tmp_path: Path) -> None:
-    assert run_cli(*TRAIN, "--run-dir", tiny_run, "--backend", "cpu", "--max-steps", "2").returncode == 0
+def test_incremental_training_refuses_a_different_tokenizer(tiny_trained: Path, tmp_path: Path) -> None:
     other = tmp_path / "other"
-    shutil.copytree(tiny_run / "prepared", other / "prepared")
+    shutil.copytree(tiny_trained / "prepared", other / "prepared")
     train_tokenizer(["a different corpus entirely"] * 50, 1024).save(str(other / "prepared" / "tokenizer.json"))
 
-    result = run_cli(*TRAIN, "--run-dir", other, "--backend", "cpu", "--max-steps", "2", "--init-from", tiny_run)
+    result = run_cli(*TRAIN, "--run-dir", other, "--backend", "cpu", "--max-steps", "2", "--init-from", tiny_trained)
     assert result.returncode == ExitCode.BAD_CONFIG, result.stderr[-3000:]
     assert "--init-from" in result.stderr
 
@@ -219,21 +231,16 @@ def test_explicit_gradient_all_reduce_clips_the_averaged_gradients_like_ddp(tiny
 
 
 def test_training_streams_its_curves_to_one_mlflow_child_run_every_log_every_steps(
-        tiny_prepared: Path, tmp_path: Path, monkeypatch) -> None:
+        tiny_trained: Path, monkeypatch) -> None:
     """loss, lr and tokens/s reach the train child run every --log-every steps while training runs
-    (the same run the step completes at the end), not only once training is over."""
+    (the same run the step completes at the end), not only once training is over. tiny_trained
+    trains 4 steps with --log-every 2 into the default store in its run dir."""
     from mlflow.tracking import MlflowClient
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the default store in the run dir
-    run_dir = tmp_path / "streamed"
-    shutil.copytree(tiny_prepared, run_dir)
-    env = {k: v for k, v in cli_env().items() if k not in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME")}
-    result = run_cli("train", "--run-dir", run_dir, "--preset", "tiny", "--backend", "cpu", "--max-steps", 4,
-                     "--log-every", 2, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    client = MlflowClient(tracking_uri=(run_dir / "mlruns").resolve().as_uri())
+    client = MlflowClient(tracking_uri=(tiny_trained / "mlruns").resolve().as_uri())
     runs = client.search_runs([client.get_experiment_by_name("trainium-embeddings").experiment_id])
-    (train,) = [r for r in runs if r.info.run_name == "train" and r.data.tags.get("pipeline.run_id") == "streamed"]
+    (train,) = [r for r in runs if r.info.run_name == "train" and r.data.tags.get("pipeline.run_id") == tiny_trained.name]
     assert train.info.status == "FINISHED"
     for key in ("loss", "lr", "tokens_per_s"):
         # (step 0: the end-of-training summary value of the same name, e.g. the mean tokens/s)
