@@ -10,19 +10,24 @@ import pytest
 from pipeline_steps import __main__ as cli
 from pipeline_steps import aot_compile
 from pipeline_steps import distributed as dist_lib
+from pipeline_steps.contract import CHECKPOINTS_DIR, COMPILE_DIR, COMPILE_REPORT, PREPARED_DIR
 from pipeline_steps.errors import ExitCode
 from pipeline_steps.fileio import read_json
 
 from .conftest import run_cli
 
 
-def test_compile_traces_the_same_graphs_on_every_rerun(tiny_run: Path) -> None:
-    reports = []
-    for _ in range(2):
-        result = run_cli("compile", "--run-dir", tiny_run, "--preset", "tiny", "--backend", "xla", "--steps", "3")
-        assert result.returncode == 0, result.stderr[-3000:]
-        reports.append(read_json(tiny_run / "compile" / "compile.json"))
-    first, second = reports
+def test_compile_traces_the_same_graphs_on_every_rerun(tiny_run_local, tmp_path: Path) -> None:
+    """The first compile is run-local's (the shared xla run); the rerun uses its arguments on the same
+    prepared data in a fresh run dir."""
+    shared, run_local = tiny_run_local("xla")
+    assert run_local.returncode == 0, run_local.stderr[-3000:]
+    rerun_dir = tmp_path / "rerun"
+    rerun_dir.mkdir()
+    (rerun_dir / PREPARED_DIR).symlink_to(shared / PREPARED_DIR)
+    result = run_cli("compile", "--run-dir", rerun_dir, "--preset", "tiny", "--backend", "xla")
+    assert result.returncode == 0, result.stderr[-3000:]
+    first, second = (read_json(run_dir / COMPILE_REPORT) for run_dir in (shared, rerun_dir))
     assert first["graphs_compiled"] == second["graphs_compiled"] > 0
     assert first["batch_shapes"] == second["batch_shapes"]
     # One training step per length bucket covers every training graph (M5: within 4-5 steps).
@@ -30,8 +35,8 @@ def test_compile_traces_the_same_graphs_on_every_rerun(tiny_run: Path) -> None:
     phases = first["graphs_by_phase"]
     assert phases["checkpoint"] == phases["validation_step"], "saving a checkpoint traced a graph"
     # The trial never touches the real run's checkpoints.
-    assert not (tiny_run / "checkpoints").exists()
-    assert (tiny_run / "compile" / "trial" / "checkpoints").is_dir()
+    assert not (rerun_dir / CHECKPOINTS_DIR).exists()
+    assert (rerun_dir / COMPILE_DIR / "trial" / CHECKPOINTS_DIR).is_dir()
 
 
 def test_compile_on_an_eager_backend_is_a_recorded_no_op(tiny_run: Path) -> None:
