@@ -44,6 +44,7 @@ import json
 import logging
 import os
 import platform
+import re
 import statistics
 import sys
 import tempfile
@@ -599,8 +600,10 @@ before = {key: status(key) for key in ("RssAnon", "RssFile")}
 data = D.load_prepared(sys.argv[1])
 for _ in D.TrainBatches(data, data.data_cfg.batch_size, rank=world.rank, world_size=world.world_size, seed=0).epoch(0):
     pass
-print(f"rank-rss {world.rank} {status('RssAnon') - before['RssAnon']} {status('RssFile') - before['RssFile']}",
-      flush=True)
+# One write per line: the ranks share torchrun's stdout, and print's separate newline write can interleave.
+sys.stdout.write(f"rank-rss {world.rank} {status('RssAnon') - before['RssAnon']} "
+                 f"{status('RssFile') - before['RssFile']}\\n")
+sys.stdout.flush()
 if world.world_size > 1:
     dist_lib.dist.barrier()  # every rank holds its data until all have measured
 """
@@ -619,7 +622,7 @@ def _rank_data_rss(run_dir: Path, ranks: int) -> dict[str, float]:
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                           "--no-python", sys.executable, "-c", _RANK_PROBE, str(run_dir)],
                          env=env, capture_output=True, text=True, check=True)
-    rows = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("rank-rss ")]
+    rows = re.findall(r"rank-rss (\d+) (\d+) (\d+)", out.stdout)
     assert len(rows) == ranks, out.stdout + out.stderr
     private, shared = [int(r[1]) / 2**20 for r in rows], [int(r[2]) / 2**20 for r in rows]
     # The node holds every rank's private pages and the mapped files once (the ranks read rows
