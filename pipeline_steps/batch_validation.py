@@ -145,7 +145,8 @@ def _numbers(array: pa.Array | None) -> pa.Array | None:
     """A numeric column as float64 (None: absent, or of a type the per-record path must judge)."""
     if array is None or not (pa.types.is_floating(array.type) or pa.types.is_integer(array.type)):
         return None
-    return pc.cast(array, pa.float64())
+    # Unsafe: an integer beyond 2**53 rounds as float(int) does on the per-record path (a safe cast raises).
+    return pc.cast(array, pa.float64(), safe=False)
 
 
 def _arrow_pairs(batch: D.RecordBatch, max_chars: int, valid: ValidPairs, slow: list[int]) -> None:

@@ -42,8 +42,8 @@ PAD_ID = 0
 IGNORE_INDEX = -100
 """Class id of rows without a label (torch's cross_entropy default ignore_index)."""
 INPUT_SUFFIXES = (".jsonl", ".ndjson", ".parquet")
-NUMERIC_CLIP = 10.0
 _BOM = b"\xef\xbb\xbf"  # the UTF-8 byte order mark some editors write first
+NUMERIC_CLIP = 10.0
 """Normalised numeric features are clipped to +-this many standard deviations, so one absurd
 price cannot saturate the fusion MLP."""
 PREPARED = PREPARED_DIR
@@ -223,6 +223,7 @@ class JsonlBatches:
 
     def __iter__(self) -> Iterator[RecordBatch]:
         source, pos = str(self.path), self.start
+        self.lines = 0
         end = self.path.stat().st_size if self.end is None else self.end
         if self.start == 0 and end == 0:
             log.warning("input file %s is empty (0 bytes): it adds no records", self.path)
@@ -971,7 +972,8 @@ def _matrix(table: pa.Table, name: str, width: int, dtype: Any, path: Path) -> n
     return values.astype(dtype, copy=False).reshape(len(column), width)
 
 
-def save_products(path: str | Path, products: Products) -> None:
+def save_products(path: str | Path, products: Products, arrays: bool = True) -> None:
+    """products.parquet and (with `arrays`) the products.<column>.npy training memory-maps, beside it."""
     table = pa.table({
         "id": pa.array(products.ids, pa.string()),
         "title": pa.array(products.titles, pa.string()),
@@ -984,7 +986,7 @@ def save_products(path: str | Path, products: Products) -> None:
     })
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
-    for name, dtype in PRODUCT_ARRAYS.items():
+    for name, dtype in (PRODUCT_ARRAYS if arrays else {}).items():
         with atomic_path(product_array_path(Path(path).parent, name)) as tmp, open(tmp, "wb") as fh:
             np.save(fh, getattr(products, name).astype(dtype, copy=False))
 

@@ -185,7 +185,7 @@ def plan(args: argparse.Namespace, preset) -> dict[str, Any]:
         raise
     atomic_write_bytes(shards / "tokenizer.json", tokenizer_bytes)
     schema.save(shards / "schema.json")
-    D.save_products(shards / "products.parquet", products)
+    D.save_products(shards / "products.parquet", products, arrays=False)  # the finish writes the arrays
     report.update(product_counts=counts["products"],
                   tokenizer={"source": origin, "sha256": P._sha256_bytes(tokenizer_bytes),
                              "vocab_size": tokenizer.get_vocab_size()},

@@ -141,6 +141,10 @@ ODD_TYPES = {
                                    "categorical": {"size": 42}}], None),
     "int weight": ("pairs", [{"query": "sofa", "product_id": "P1", "weight": 2},
                              {"query": "sofa", "product_id": "P1", "weight": 0}], None),
+    # Beyond 2**53 an integer has no exact float64: both paths round it as float(int) does.
+    "huge int weight": ("pairs", [{"query": "sofa", "product_id": "P1", "weight": 2**53 + 1},
+                                  {"query": "sofa", "product_id": "P1", "weight": 3}], None),
+    "huge int feature": ("products", [{"id": "a", "title": "lamp", "numeric": {"reviews": 2**63 - 1}}], None),
     "string weight": ("pairs", [{"query": "sofa", "product_id": "P1", "weight": "2"}], None),
     "bool weight": ("pairs", [{"query": "sofa", "product_id": "P1", "weight": True}], None),
     "int label": ("pairs", [{"query": "sofa", "product_id": "P1", "label": 3}], None),

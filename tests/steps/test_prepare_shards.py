@@ -85,6 +85,8 @@ def test_any_shard_count_gives_the_records_quarantine_and_split_of_one_prepare(u
         report = read_json(run / "prepared" / "prepare.json")
         assert report["status"] == "ok" and report["shards"]["units"] == plan_units
         assert report["counts"] == read_json(single / "prepared" / "prepare.json")["counts"]
+        # What stays in _shards/ after the finish is small: no second copy of the catalog arrays.
+        assert not list((run / "prepared" / S.SHARDS).glob("products.*.npy")), count
     schema = D.Schema.load(runs[3] / "prepared" / "schema.json")
     assert {"label-0", "label-1", "label-2"} <= set(schema.class_names)
     # Training reads the result: every train pair in the batches of one epoch.
