@@ -301,10 +301,8 @@ def spill_pairs(files: Sequence[Path], cfg: DataConfig, product_row: dict[str, i
     labels: set[str] = set()
     spilled, num_valid, num_train = [], 0, 0
     threshold = D.holdout_threshold(cfg.holdout_fraction)
-    known_keys: dict[str, int] = {}  # queries repeat across chunks; bounded like the encoder's memory
+    known_keys: dict[str, int] = {}  # queries repeat across chunks
     for i, chunk in enumerate(iter_pair_chunks(files, cfg, product_row, quarantine, num_read, PAIR_CHUNK)):
-        if len(known_keys) > D.ENCODE_CACHE_TEXTS:
-            known_keys.clear()
         keys = D.query_keys(chunk.queries, seed, known_keys)
         holdout = keys < threshold
         num_valid += len(chunk)
@@ -331,65 +329,69 @@ class PairStats:
     train_per_bucket: Counter = dataclasses.field(default_factory=Counter)
 
 
+PAIR_DTYPES = {"token_ids": np.int32, "lengths": np.int32, "product_index": np.int64, "weight": np.float32,
+               "class_id": np.int64}
+
+
+class PairOutputs:
+    """The pair outputs while they are written: <side>_pairs.parquet (a row group per `append`) and
+    the arrays training memory-maps (<side>_pairs.<name>.npy, `num_rows[side]` rows), each renamed
+    into place when the block ends without an error; `stats` holds the report's running totals."""
+
+    def __init__(self, out: Path, num_rows: dict[str, int], cfg: DataConfig, products: D.Products):
+        self.out, self.num_rows, self.query_length = out, num_rows, cfg.query_length
+        self.product_ids = pa.array(products.ids, pa.string())
+        self.product_buckets = D.bucket_index(products.lengths, cfg.length_buckets)
+        self.stats = PairStats()
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> PairOutputs:
+        stack = self._stack.__enter__()
+        # Each writer is entered after its atomic path, so it closes before the file is renamed.
+        self.writers = {side: stack.enter_context(pq.ParquetWriter(stack.enter_context(atomic_path(
+            self.out / f"{side}_pairs.parquet")), D.PAIRS_SCHEMA)) for side in self.num_rows}
+        self.arrays = {side: {name: np.lib.format.open_memmap(
+            stack.enter_context(atomic_path(D.pair_array_path(self.out, side, name))), mode="w+",
+            dtype=PAIR_DTYPES[name], shape=(rows, self.query_length) if name == "token_ids" else (rows,))
+            for name in D.PAIR_ARRAYS} for side, rows in self.num_rows.items()}
+        return self
+
+    def append(self, side: str, queries: pa.Array | pa.ChunkedArray, pairs: D.Pairs, keys: np.ndarray) -> None:
+        """The next rows of `side`: the tokenised pairs, their query texts and query keys."""
+        self.writers[side].write_table(D.pairs_table(queries, self.product_ids.take(pairs.product_index), pairs))
+        start = self.stats.num[side]
+        for name, array in self.arrays[side].items():
+            array[start:start + len(pairs)] = getattr(pairs, name)
+        self.stats.num[side] += len(pairs)
+        self.stats.keys[side].append(keys)
+        self.stats.at_max_length += int((pairs.lengths >= self.query_length).sum())
+        if side == "train":
+            self.stats.train_per_bucket.update(self.product_buckets[pairs.product_index].tolist())
+
+    def __exit__(self, *exc) -> bool | None:
+        if exc[0] is None:
+            for arrays in self.arrays.values():
+                for array in arrays.values():
+                    array.flush()
+        return self._stack.__exit__(*exc)
+
+
 def write_pairs(spilled: SpilledPairs, tokenizer, schema: D.Schema, cfg: DataConfig, products: D.Products,
                 out: Path) -> PairStats:
-    """Tokenise the spilled pairs chunk by chunk into train_pairs.parquet and holdout_pairs.parquet
-    (one row group per chunk and side) and the arrays training memory-maps (<side>_pairs.<name>.npy),
-    each written atomically."""
-    stats = PairStats()
-    product_ids = pa.array(products.ids, pa.string())
-    product_buckets = D.bucket_index(products.lengths, cfg.length_buckets)
+    """Tokenise the spilled pairs chunk by chunk into the pair outputs (PairOutputs)."""
     num_rows = {"train": spilled.num_train, "holdout": spilled.num_valid - spilled.num_train}
     encoder = D.TextEncoder(tokenizer, cfg.query_length)
-    with contextlib.ExitStack() as stack:
-        writers = {side: stack.enter_context(pq.ParquetWriter(stack.enter_context(atomic_path(out / f"{side}_pairs.parquet")),
-                                                              D.PAIRS_SCHEMA))
-                   for side in ("train", "holdout")}
-        arrays = {side: _pair_arrays(stack, out, side, num_rows[side], cfg.query_length) for side in num_rows}
+    with PairOutputs(out, num_rows, cfg, products) as outputs:
         for path in spilled.files:
             with pa.memory_map(str(path)) as source:
                 table = pa.ipc.open_file(source).read_all()
             holdout = table.column("holdout").to_numpy()
             for side, rows in (("train", np.flatnonzero(~holdout)), ("holdout", np.flatnonzero(holdout))):
-                if not len(rows):
-                    continue
-                part = table.take(rows)
-                pairs = _tokenised_pairs(part, encoder, schema, products.class_id)
-                writers[side].write_table(D.pairs_table(part.column("query"), product_ids.take(pairs.product_index), pairs))
-                start = stats.num[side]
-                for name, array in arrays[side].items():
-                    array[start:start + len(rows)] = getattr(pairs, name)
-                stats.num[side] += len(rows)
-                stats.keys[side].append(part.column("key").to_numpy())
-                stats.at_max_length += int((pairs.lengths >= cfg.query_length).sum())
-                if side == "train":
-                    stats.train_per_bucket.update(product_buckets[pairs.product_index].tolist())
-        close_pair_outputs(writers, arrays)
-    return stats
-
-
-def close_pair_outputs(writers: dict[str, pq.ParquetWriter], arrays: dict[str, dict[str, np.ndarray]]) -> None:
-    """Close the pair Parquet writers (before atomic_path renames their files) and flush the
-    memory-mapped pair columns."""
-    for writer in writers.values():
-        writer.close()
-    for side_arrays in arrays.values():
-        for array in side_arrays.values():
-            array.flush()
-
-
-PAIR_DTYPES = {"token_ids": np.int32, "lengths": np.int32, "product_index": np.int64, "weight": np.float32,
-               "class_id": np.int64}
-
-
-def _pair_arrays(stack: contextlib.ExitStack, out: Path, side: str, rows: int, query_length: int) -> dict[str, np.ndarray]:
-    """Writable memory maps of the .npy arrays of one side, renamed into place when `stack` closes."""
-    arrays = {}
-    for name in D.PAIR_ARRAYS:
-        shape = (rows, query_length) if name == "token_ids" else (rows,)
-        tmp = stack.enter_context(atomic_path(D.pair_array_path(out, side, name)))
-        arrays[name] = np.lib.format.open_memmap(tmp, mode="w+", dtype=PAIR_DTYPES[name], shape=shape)
-    return arrays
+                if len(rows):
+                    part = table.take(rows)
+                    outputs.append(side, part.column("query"), _tokenised_pairs(part, encoder, schema, products.class_id),
+                                   part.column("key").to_numpy())
+    return outputs.stats
 
 
 def _tokenised_pairs(part: pa.Table, encoder: D.TextEncoder, schema: D.Schema, product_class: np.ndarray) -> D.Pairs:

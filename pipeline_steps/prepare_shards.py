@@ -88,11 +88,7 @@ def plan_units(files: Sequence[Path], unit_bytes: int | None = None) -> list[dic
     units: list[dict[str, Any]] = []
     for path in files:
         if D.input_format(path) == "parquet":
-            try:
-                meta = pq.ParquetFile(path).metadata
-            except (pa.ArrowException, OSError) as exc:
-                raise BadInputError(f"cannot read Parquet file {path}: {exc}; re-export or re-upload the shard "
-                                    f"(a truncated upload is the usual cause)") from None
+            meta = D.open_parquet(path).metadata
             row = 0
             for group in range(meta.num_row_groups):
                 units.append({"source": str(path), "format": "parquet", "start": group, "end": group + 1,
@@ -249,7 +245,6 @@ def write_unit(shards: Path, plan: dict[str, Any], unit: int, tokenizer, product
     num_read: Counter = Counter()
     rows: Counter = Counter()
     labels: set[str] = set()
-    at_max_length = 0
     with contextlib.ExitStack() as stack:
         # Entered after their atomic paths, so each closes before its file is renamed into place.
         sink = stack.enter_context(open(stack.enter_context(atomic_path(paths["quarantine"])), "wb"))
@@ -257,14 +252,11 @@ def write_unit(shards: Path, plan: dict[str, Any], unit: int, tokenizer, product
                                                               UNIT_SCHEMA)) for side in SIDES}
         quarantine = P.Quarantine(sink)
         encoder = D.TextEncoder(tokenizer, cfg.query_length)
-        known_keys: dict[str, int] = {}  # queries repeat across chunks; bounded like the encoder's memory
+        known_keys: dict[str, int] = {}  # queries repeat across chunks
         for chunk in P.iter_pair_chunks([], cfg, product_row, quarantine, num_read, batches=batches):
-            if len(known_keys) > D.ENCODE_CACHE_TEXTS:
-                known_keys.clear()
             keys = D.query_keys(chunk.queries, seed, known_keys)
             holdout = keys < threshold
             token_ids, lengths = encoder(chunk.queries)
-            at_max_length += int((lengths >= cfg.query_length).sum())
             labels.update(label for label in chunk.labels if label)
             table = pa.table({"query": pa.array(chunk.queries, pa.string()), "product_index": chunk.product_index,
                               "token_ids": D._list_column(token_ids), "length": lengths, "weight": chunk.weight,
@@ -277,7 +269,7 @@ def write_unit(shards: Path, plan: dict[str, Any], unit: int, tokenizer, product
     spanned = batches.lines if isinstance(batches, D.JsonlBatches) else 0
     meta = {"unit": unit, "plan_id": plan["plan_id"], "read": num_read["pairs"], "lines": spanned,
             "rows": {side: rows[side] for side in SIDES}, "reasons": dict(sorted(quarantine.reasons["pairs"].items())),
-            "labels": sorted(labels), "at_max_length": at_max_length,
+            "labels": sorted(labels),
             "files": {name: sha256_file(paths[name]) for name in (*SIDES, "quarantine")}}
     atomic_write_json(paths["sidecar"], meta)
     return meta
@@ -359,20 +351,13 @@ def _remap_classes(class_id: np.ndarray, old: D.Schema, new: D.Schema) -> np.nda
 
 def assemble_pairs(out: Path, shards: Path, metas: Sequence[dict[str, Any]], schema: D.Schema, cfg: DataConfig,
                    products: D.Products) -> P.PairStats:
-    """<side>_pairs.parquet and the arrays training memory-maps, from the units in unit order, one
-    row group at a time (each output atomic)."""
-    stats = P.PairStats()
-    product_ids = pa.array(products.ids, pa.string())
-    product_buckets = D.bucket_index(products.lengths, cfg.length_buckets)
+    """The pair outputs (prepare.PairOutputs) from the units in unit order, a row group at a time."""
     num_rows = {side: sum(m["rows"][side] for m in metas) for side in SIDES}
-    with contextlib.ExitStack() as stack:
-        writers = {side: stack.enter_context(pq.ParquetWriter(stack.enter_context(atomic_path(out / f"{side}_pairs.parquet")),
-                                                              D.PAIRS_SCHEMA)) for side in SIDES}
-        arrays = {side: P._pair_arrays(stack, out, side, num_rows[side], cfg.query_length) for side in SIDES}
+    with P.PairOutputs(out, num_rows, cfg, products) as outputs:
         for meta in metas:
-            stats.at_max_length += meta["at_max_length"]
+            paths = unit_paths(shards, meta["unit"])
             for side in SIDES:
-                path = unit_paths(shards, meta["unit"])[side]
+                path = paths[side]
                 parquet = pq.ParquetFile(path)
                 for group in range(parquet.num_row_groups):
                     part = parquet.read_row_group(group)
@@ -382,16 +367,8 @@ def assemble_pairs(out: Path, shards: Path, metas: Sequence[dict[str, Any]], sch
                                     weight=part.column("weight").to_numpy(),
                                     class_id=P.pair_class_ids(part.column("label").to_pylist(), index, schema,
                                                               products.class_id))
-                    writers[side].write_table(D.pairs_table(part.column("query"), product_ids.take(index), pairs))
-                    start = stats.num[side]
-                    for name, array in arrays[side].items():
-                        array[start:start + len(part)] = getattr(pairs, name)
-                    stats.num[side] += len(part)
-                    stats.keys[side].append(part.column("key").to_numpy())
-                    if side == "train":
-                        stats.train_per_bucket.update(product_buckets[index].tolist())
-        P.close_pair_outputs(writers, arrays)
-    return stats
+                    outputs.append(side, part.column("query"), pairs, part.column("key").to_numpy())
+    return outputs.stats
 
 
 def finish(run_dir: Path, shard_count: int | None = None, max_bad_fraction: float | None = None) -> dict[str, Any]:
