@@ -261,15 +261,19 @@ class JsonlBatches:
             yield batch
 
 
-def parquet_batches(path: Path, batch_rows: int = READ_BATCH_ROWS, row_groups: Sequence[int] | None = None,
-                    first_row: int = 1) -> Iterator[RecordBatch]:
-    """The rows of a Parquet file (or of its `row_groups`, the first of which is row `first_row`)."""
-    source, row = str(path), first_row - 1
+def open_parquet(path: Path) -> pq.ParquetFile:
+    """The Parquet file at `path`; BadInputError naming it when its footer cannot be read."""
     try:
-        parquet = pq.ParquetFile(path)
+        return pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as exc:
         raise BadInputError(f"cannot read Parquet file {path}: {exc}; re-export or re-upload the shard "
                             f"(a truncated upload is the usual cause)") from None
+
+
+def parquet_batches(path: Path, batch_rows: int = READ_BATCH_ROWS, row_groups: Sequence[int] | None = None,
+                    first_row: int = 1) -> Iterator[RecordBatch]:
+    """The rows of a Parquet file (or of its `row_groups`, the first of which is row `first_row`)."""
+    source, row, parquet = str(path), first_row - 1, open_parquet(path)
     try:
         for table in parquet.iter_batches(batch_size=batch_rows, row_groups=row_groups):
             table.validate(full=True)  # invalid UTF-8 in a string column fails here, with the row range
@@ -708,9 +712,12 @@ def normalise_query(text: str) -> str:
 def query_keys(queries: Sequence[str], seed: int, cache: dict[str, int] | None = None) -> np.ndarray:
     """uint64 [n]: a hash of (seed, normalised query): equal for the same query, whatever its case,
     accents or spacing. It decides the holdout split and counts distinct queries. `cache`: the keys
-    of queries seen in earlier calls with the same seed (filled here), when the caller keeps one."""
+    of queries seen in earlier calls with the same seed (filled here, and emptied once it holds
+    ENCODE_CACHE_TEXTS queries, so its memory stays bounded), when the caller keeps one."""
     distinct, inverse = distinct_texts(queries)  # a query repeats across many pairs (clicks, purchases)
     cache = {} if cache is None else cache
+    if len(cache) > ENCODE_CACHE_TEXTS:
+        cache.clear()
     prefix = f"{seed}\x00"
 
     def key(query: str) -> int:

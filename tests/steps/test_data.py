@@ -258,3 +258,12 @@ def test_a_tokenizer_whose_words_can_span_spaces_is_encoded_whole():
     metaspace.pre_tokenizer = pre_tokenizers.Metaspace()  # "\u2581word": the space belongs to the token
     assert D.WordEncoder.of(metaspace, 8) is None
     assert D.WordEncoder.of(Tokenizer(models.WordPiece(unk_token="[UNK]")), 8) is None  # no [CLS] ... [SEP]
+
+
+def test_query_keys_cache_stays_bounded_and_keys_stay_equal(monkeypatch):
+    monkeypatch.setattr(D, "ENCODE_CACHE_TEXTS", 4)
+    cache: dict[str, int] = {}
+    queries = [f"query {i}" for i in range(10)]
+    keys = np.concatenate([D.query_keys(queries[i:i + 3], 7, cache) for i in range(0, 10, 3)])
+    assert len(cache) <= 4 + 3  # emptied once past the bound, then one call's queries added
+    np.testing.assert_array_equal(keys, D.query_keys(queries, 7))
