@@ -51,7 +51,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--checkpoint-every", type=int, default=None)
     parser.add_argument("--log-every", type=int, default=None)
-    parser.add_argument("--bf16", action="store_true", default=None, help="bfloat16 weights (xla backend)")
+    parser.add_argument("--bf16", action="store_true", default=None,
+                        help="bfloat16 weights, fp32 optimizer state (xla backend; production's precision)")
     parser.add_argument("--stall-timeout-s", type=float, default=None,
                         help="exit with the retryable code when no step completes for this long")
     parser.add_argument("--no-progress", action="store_true", help="plain log lines even on a terminal")

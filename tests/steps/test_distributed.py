@@ -123,7 +123,17 @@ def test_a_loaded_optimizer_state_keeps_fp32_moments_and_its_step_counts_with_bf
             assert torch.equal(state[key], saved["state"][i][key])  # not rounded through bf16
 
 
-# Runs in its own process: torch_xla stays out of the test process.
+def run_xla(script: str) -> dict:
+    """`script` in its own process on PJRT CPU (torch_xla stays out of the test process), one
+    rank: its last line of output, as JSON."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(PJRT_DEVICE="CPU", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 XLA_ADAMW_SCRIPT = """
 import json
 import torch
@@ -152,7 +162,8 @@ def run(dtype, device, found_inf=None):
             distributed.optimizer_step(world, optimizer, found_inf)
         distributed.mark_step(world)
     states = [optimizer.state[p] for p in params]
-    return [p.detach().cpu() for p in params], [s["exp_avg_sq"].cpu() for s in states], [float(s["step"]) for s in states]
+    weights_now = [p.detach().cpu() for p in params]
+    return weights_now, [s["exp_avg_sq"].cpu() for s in states], [float(s["step"]) for s in states]
 
 bf16, bf16_sq, bf16_steps = run(torch.bfloat16, world.device)
 fp32, fp32_sq, _ = run(torch.float32, "cpu")  # torch's AdamW in fp32 on the bf16 start point
@@ -170,12 +181,7 @@ print(json.dumps({
 
 
 def test_xla_adamw_updates_bf16_weights_through_fp32_moments_and_skips_in_graph():
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(PJRT_DEVICE="CPU", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-c", XLA_ADAMW_SCRIPT], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_xla(XLA_ADAMW_SCRIPT)
     assert out["dtypes"] == ["torch.bfloat16", "torch.float32"]  # bf16 weights, fp32 second moments
     assert out["steps"] == [3.0, 3.0] and out["skipped_steps"] == [0.0, 0.0]
     # torch's fp32 AdamW from the same start: equal up to bf16 rounding of the weights (|w| < 0.1,
@@ -212,12 +218,7 @@ def test_each_rank_and_step_draws_its_own_xla_dropout_mask_and_a_rerun_draws_the
     """The seeding the trainer calls before every step, on the XLA device in one process: the ranks
     are World values (PJRT CPU runs one process), so this shows what each rank's process would
     draw, not several processes at once."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(PJRT_DEVICE="CPU", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-c", XLA_DROPOUT_SCRIPT], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_xla(XLA_DROPOUT_SCRIPT)
     assert out["same_rank_step"]  # a resumed run redraws the uninterrupted run's mask
     assert 0.4 < out["rank_differs"] < 0.6 and 0.4 < out["step_differs"] < 0.6  # independent masks
     assert out["graphs"] == 1  # the seed is an input of the graph, not a constant in it

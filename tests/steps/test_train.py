@@ -67,10 +67,10 @@ def test_xla_training_compiles_nothing_after_warmup(tiny_run_local) -> None:
 
 
 def test_bf16_xla_training_trains_and_resumes_into_the_graphs_compile_traced(tiny_run: Path) -> None:
-    """The production precision, as the job definitions run it: bf16 weights, fp32 AdamW moments
+    """The production precision (`--bf16` on XLA): bf16 weights, fp32 AdamW moments
     (a bf16 update rounds beta2 = 0.999 to 1.0: the second moment would stay 0). A resumed run
     loads the moments without torch's cast to the weights' dtype, in a fresh run's order, so it
-    needs no graph the compile step did not trace."""
+    needs no graph the compile step did not trace; the checkpoint also resumes on CPU."""
     args = ("--run-dir", tiny_run, "--backend", "xla", "--bf16")
     compiled = run_cli("compile", "--preset", "tiny", *args)
     assert compiled.returncode == 0, compiled.stderr[-3000:]
@@ -88,6 +88,10 @@ def test_bf16_xla_training_trains_and_resumes_into_the_graphs_compile_traced(tin
     assert {m.dtype for m in moments} == {torch.float32}
     assert all(torch.isfinite(m).all() and m.abs().max() > 0 for m in moments)
     assert {float(entry["step"]) for entry in state["optimizer"]["state"].values()} == {6.0}
+    # The same checkpoint resumes on an eager backend (weights cast up, moments as they are).
+    eager = run_cli(*TRAIN, "--run-dir", tiny_run, "--backend", "cpu", "--max-steps", "7")
+    assert eager.returncode == 0, eager.stderr[-3000:]
+    assert "(step 6," in eager.stderr and checkpoint.step_of(checkpoint.latest(tiny_run)) == 7
 
 
 RESUMED = ["--max-steps", "48", "--checkpoint-every", "4", "--backend", "cpu"]  # past the first epoch (42 steps)
