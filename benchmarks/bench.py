@@ -2,7 +2,8 @@
 
 Measures, in one process, against a well-known peer and against this machine's own matmul ceiling:
   train     tokens/s and achieved FLOP/s of one training step (pipeline_steps.trainer.Trainer.train_step)
-            per preset and backend; mfu_vs_ceiling = achieved FLOP/s / a large fp32 GEMM's FLOP/s;
+            per preset and backend (XLA also with --bf16: xla_bf16, bf16_vs_fp32 = its speed / fp32
+            XLA's in the same rounds); mfu_vs_ceiling = achieved FLOP/s / a large fp32 GEMM's FLOP/s;
             train_ratio_vs_peer = our tokens/s / Hugging Face BertModel's with the same shape, batch,
             sequence lengths, AdamW, grad clipping and in-batch contrastive loss on mean-pooled outputs.
             host_s_per_step = seconds each train_step call holds the host (on XLA: tracing + dispatch;
@@ -212,11 +213,15 @@ def synthetic_batch(cfg: ModelConfig, shape: Shape, seed: int = 0) -> dict[str, 
     }
 
 
-def make_trainer(run_dir: Path, preset: str, backend: str):
+XLA_BF16 = "xla_bf16"
+"""The XLA step with `--bf16` (production's precision), a variant timed in the same rounds as "xla"."""
+
+
+def make_trainer(run_dir: Path, preset: str, backend: str, *, bf16: bool = False):
     from pipeline_steps.trainer import Trainer
 
     world = dist_lib.init(backend)
-    cfg = dataclasses.replace(get_preset(preset).train, stall_timeout_s=1e9)
+    cfg = dataclasses.replace(get_preset(preset).train, stall_timeout_s=1e9, bf16=bf16)
     return Trainer(run_dir, preset, cfg, world)
 
 
@@ -281,8 +286,12 @@ def peer_step(cfg: ModelConfig, shape: Shape, batch: dict[str, torch.Tensor], te
 
 def bench_train(preset: str, run_dir: Path, shape: Shape, backends: list[str], eager: str, *,
                 repeats: int, steps: int, ceiling: Callable[[], float]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Per backend: tokens/s, FLOP/s, mfu, ratio to the peer. Returns (results, trainers by backend)."""
+    """Per backend (and XLA_BF16 beside "xla"): tokens/s, FLOP/s, mfu, ratio to the peer; for
+    XLA_BF16 also bf16_vs_fp32, how many times faster than "xla" in the same rounds. Returns
+    (results, trainers by backend)."""
     trainers = {b: make_trainer(run_dir, preset, b) for b in backends}
+    if "xla" in trainers:
+        trainers[XLA_BF16] = make_trainer(run_dir, preset, "xla", bf16=True)
     cfg = next(iter(trainers.values())).model_cfg
     batch = synthetic_batch(cfg, shape)
     temperature = next(iter(trainers.values())).cfg.temperature
@@ -319,7 +328,9 @@ def bench_train(preset: str, run_dir: Path, shape: Shape, backends: list[str], e
             "host_s_per_step": _median(host_s[backend]),
         }
     if xla is not None:
+        # Process-wide: both XLA variants' graphs.
         results["backends"]["xla"]["compiles_during_timing"] = dist_lib.compile_count(xla.world) - compiles_before
+        results["backends"][XLA_BF16]["bf16_vs_fp32"] = paired_ratio(times[XLA_BF16], times["xla"])
     return results, trainers
 
 
@@ -711,6 +722,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["xla_preset"] = on_xla[0] if on_xla else None
     for key in ("train_ratio_vs_peer", "host_s_per_step", "tokens_per_s"):
         result[f"xla_{key}"] = xla_head.get(key)
+    xla_bf16 = result["train"][on_xla[0]]["backends"][XLA_BF16] if on_xla else {}
+    result["xla_bf16_tokens_per_s"] = xla_bf16.get("tokens_per_s")
+    result["xla_bf16_vs_fp32"] = xla_bf16.get("bf16_vs_fp32")
 
     # ---- loader headroom against the fastest step of the smallest preset (the hardest case)
     loader = {p: bench_loader(next(iter(trainers[p].values())), step_s[p]) for p in presets}
@@ -855,6 +869,10 @@ def print_report(result: dict[str, Any]) -> None:
     if result.get("xla_host_s_per_step") is not None:
         summary.add_row("xla_host_s_per_step", f"{result['xla_host_s_per_step']:.3f}",
                         f"({result['xla_preset']}; tracing + dispatch, of {result['xla_tokens_per_s']:.0f} tokens/s)", "-")
+    if result.get("xla_bf16_vs_fp32") is not None:
+        summary.add_row("xla_bf16_vs_fp32", f"{result['xla_bf16_vs_fp32']:.2f}",
+                        f"({result['xla_preset']}; {result['xla_bf16_tokens_per_s']:.0f} vs "
+                        f"{result['xla_tokens_per_s']:.0f} tokens/s)", "-")
     summary.add_row("graphs_compiled", str(result.get("graphs_compiled")), "-", "-")
     summary.add_row("checkpoint_save_s_per_gb", f"{result['checkpoint_save_s_per_gb']:.2f}", "-", "-")
     summary.add_row("checkpoint_load_s_per_gb", f"{result['checkpoint_load_s_per_gb']:.2f}", "-", "-")

@@ -52,13 +52,25 @@ def training_arguments(training: TrainingConfig) -> list[str]:
     return arguments + (["--bf16"] if training.bf16 else [])
 
 
-def training_environment(training: TrainingConfig) -> dict[str, str]:
+# How long the Neuron runtime lets one graph execution run before failing it (default 30 s). A
+# collective waits inside an execution for its slowest peer: every other rank's rendezvous after a
+# checkpoint (an all-gather, torch_xla xla_model.xla_rendezvous) lasts as long as rank 0's write to
+# FSx. 600 s as the Neuron training samples set it (aws-neuron-samples torch-neuronx/training/
+# dp_bert_hf_pretrain/run_dp_bert_large_hf_pretrain_bf16_s128.sh, zero1_gpt2/run_clm.sh); a longer
+# stall is the watchdog's (TrainConfig.stall_timeout_s, 30 min).
+# https://awsdocs-neuron.readthedocs-hosted.com/en/latest/neuron-runtime/guides/configuration-guide.html
+NEURON_RT_EXEC_TIMEOUT_S = 600
+
+
+def training_environment(training: TrainingConfig, instance: InstanceSpec) -> dict[str, str]:
     """Environment of the Compile and Train containers that decides compiled graphs and numerics.
-    NEURON_CC_FLAGS is hashed into every cache key (a different string = a cache miss); stochastic
-    rounding goes with bf16 and is off otherwise (TrainingConfig.precision). The cache location,
-    NEURON_COMPILE_CACHE_URL_BASE, is in every job's environment (the compute stack's)."""
-    return {"NEURON_CC_FLAGS": training.neuron_cc_flags,
-            "NEURON_RT_STOCHASTIC_ROUNDING_EN": "1" if training.bf16 else "0"}
+    NEURON_CC_FLAGS is hashed into every cache key (a different string = a cache miss) and targets
+    the training instance type; stochastic rounding goes with bf16 and is off otherwise
+    (TrainingConfig.precision). The cache location, NEURON_COMPILE_CACHE_URL_BASE, is in every job's
+    environment (the compute stack's)."""
+    return {"NEURON_CC_FLAGS": training.compiler_flags(instance),
+            "NEURON_RT_STOCHASTIC_ROUNDING_EN": "1" if training.bf16 else "0",
+            "NEURON_RT_EXEC_TIMEOUT": str(NEURON_RT_EXEC_TIMEOUT_S)}
 
 
 def multi_node_steps(training: TrainingConfig) -> Mapping[str, tuple[list[str], dict[str, str]]]:
@@ -282,7 +294,7 @@ class JobDefinitions(Construct):
             container = self._container(
                 f"{step.capitalize()}Container", image=image, spec=training, command=command,
                 environment={**base_env, **EFA_ENVIRONMENT, **_node_env(training),
-                             **training_environment(training_config)},
+                             **training_environment(training_config, training)},
                 shared_memory_gib=shared_memory_gib,
             )
             job_definition = batch.MultiNodeJobDefinition(

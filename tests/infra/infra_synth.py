@@ -28,12 +28,13 @@ if str(REPO_ROOT) not in sys.path:
 import aws_cdk as cdk  # noqa: E402
 from cdk_nag import AwsSolutionsChecks  # noqa: E402
 
+from pipeline_steps.contract import NEURON_SDK  # noqa: E402
 from stacks.config import StageConfig, get_stage  # noqa: E402
 from stacks.stages import build_stage  # noqa: E402
 from stacks.team_config import TeamConfig  # noqa: E402
 
 TEST_ACCOUNT = "123456789012"
-TEST_IMAGE = "public.ecr.aws/neuron/pytorch-training-neuronx:2.9.0-neuronx-py312-sdk2.30.0-ubuntu24.04"
+TEST_IMAGE = NEURON_SDK.training_image
 # The failure classifier's code asset gets this fixed hash, so a new rule does not churn the snapshots.
 TEST_DIAGNOSIS_ASSET_HASH = "test-only-failure-classifier-code"
 SNAPSHOT_DIR = Path(__file__).resolve().parent / "snapshots"

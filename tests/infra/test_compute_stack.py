@@ -334,15 +334,20 @@ def test_optional_parameters_have_empty_defaults(dev_templates):
 def test_compile_and_train_run_the_stage_preset_precision_and_compiler_flags(request, templates_fixture):
     """Baked in from the stage config, not Batch parameters: a submission cannot give Compile and
     Train different values (the compile cache would then miss)."""
-    config = request.getfixturevalue(templates_fixture.replace("templates", "config")).training
+    stage = request.getfixturevalue(templates_fixture.replace("templates", "config"))
+    config = stage.training
+    # The compiler target is the training instance family's (prod trains on trn1n, dev on trn1).
+    target = {"trn1.32xlarge": "trn1", "trn1n.32xlarge": "trn1n"}[stage.compute.training_instance_type]
     for step in ("compile", "train"):
         container = _container(_job_definition(request.getfixturevalue(templates_fixture)["compute"], step))
         command = container["Command"]
         assert command[command.index("--preset") + 1] == config.preset == "base"
         assert "--bf16" in command and config.precision == "bf16"
         env = {e["Name"]: e["Value"] for e in container["Environment"]}
-        assert env["NEURON_CC_FLAGS"] == config.neuron_cc_flags
+        assert env["NEURON_CC_FLAGS"] == f"--target {target} {config.neuron_cc_flags}"
         assert env["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "1"
+        # Ranks waiting at the rendezvous while rank 0 writes a checkpoint wait inside an execution.
+        assert env["NEURON_RT_EXEC_TIMEOUT"] == "600"
 
 
 def test_embed_takes_the_shard_count_as_a_parameter(dev_templates):
