@@ -61,6 +61,7 @@ from pipeline_steps import checkpoint, data as data_lib, distributed as dist_lib
 from pipeline_steps.__main__ import configure_logging
 from pipeline_steps.config import ModelConfig, get_preset
 from pipeline_steps.fileio import atomic_write_json
+from pipeline_contract import PREPARED_DIR
 
 log = logging.getLogger(__name__)
 
@@ -593,10 +594,10 @@ def bench_prepare_sharded(work: Path, upload_dir: Path, single_run_dir: Path, pr
     finish = _phase(*_run_measured(["prepare", "--phase", "finish", *run]))
     shard = {key: max(child[key] for child in children) for key in children[0]}
     phases = {"plan": plan, "shard": {**shard, "children": SHARDED_CHILDREN}, "finish": finish}
-    single = _data_file_hashes(single_run_dir / data_lib.PREPARED)
+    single = _data_file_hashes(single_run_dir / PREPARED_DIR)
     return {"prepare_sharded": phases,
             "prepare_sharded_peak_rss_mb": max(p["peak_rss_mb"] for p in phases.values()),
-            "prepare_sharded_identical": single == _data_file_hashes(run_dir / data_lib.PREPARED)}
+            "prepare_sharded_identical": single == _data_file_hashes(run_dir / PREPARED_DIR)}
 
 
 _RANK_PROBE = """

@@ -24,12 +24,16 @@ from typing import Any, Callable, Iterator
 
 from pipeline_steps import cost as cost_lib
 from pipeline_steps.completion import autocomplete, version_line
-from pipeline_steps.contract import CHECKPOINTS_DIR, FSX_DATA, TeamPaths, run_path
+from pipeline_contract import (
+    ARTIFACTS_BUCKET_OUTPUT, CHECKPOINTS_DIR, DATA_BUCKET_OUTPUT, DEFAULT_PROJECT, DEFAULT_SINGLE_NODE_INSTANCE_TYPE,
+    DEFAULT_TRAINING_INSTANCE_TYPE, FSX_DATA, HEARTBEAT_NAMESPACE, HEARTBEAT_RUN_DIMENSION, HEARTBEAT_STAGE_DIMENSION,
+    HEARTBEAT_STEP_METRIC, SINGLE_NODE_INSTANCE_TYPE_OUTPUT, STATE_MACHINE_OUTPUT, TRAINING_INSTANCE_TYPE_OUTPUT,
+    TeamPaths, execution_input, run_path, stack_name,
+)
 from pipeline_steps.diagnosis import handler as diagnosis, job_logs
 
 from . import runs as R
 
-DEFAULT_PROJECT = "TrnEmbed"
 
 
 class ConflictError(R.OpsError):
@@ -68,7 +72,7 @@ class Context:
         return self._clients[name]
 
     def stack_of(self, role: str) -> str:
-        return f"{self.args.project}-{self.args.stage}-{role}"
+        return stack_name(self.args.project, self.args.stage, role)
 
     def outputs(self, role: str = "Pipeline") -> dict[str, str]:
         """The outputs of the stage's stack `role` ("Pipeline", "Storage"), read once."""
@@ -124,8 +128,8 @@ class Context:
         ARN, from the Pipeline stack's outputs `StateMachineArn` / `<Team>StateMachineArn`."""
         found = {}
         for key, value in self.outputs().items():
-            if key.endswith("StateMachineArn"):
-                name = key.removesuffix("StateMachineArn").lower()
+            if key.endswith(STATE_MACHINE_OUTPUT):
+                name = key.removesuffix(STATE_MACHINE_OUTPUT).lower()
                 found[name or None] = value
         return found
 
@@ -136,15 +140,15 @@ class Context:
         if self.team is not None:
             known = f"its teams are {', '.join(teams)}" if teams else "it has no teams (drop --team)"
             return f"stack {self.stack_name} has no pipeline for team {self.team!r}: {known}."
-        return f"stack {self.stack_name} has no StateMachineArn output; pass --state-machine-arn."
+        return f"stack {self.stack_name} has no {STATE_MACHINE_OUTPUT} output; pass --state-machine-arn."
 
     def instance_types(self) -> tuple[str, str]:
         """(training, single-node) instance types: flags, then stack outputs, then defaults."""
         outputs = self.outputs() if not self.args.state_machine_arn else {}
-        training = (self.args.training_instance_type or outputs.get("TrainingInstanceType")
-                    or R.DEFAULT_TRAINING_INSTANCE)
-        single = (self.args.single_node_instance_type or outputs.get("SingleNodeInstanceType")
-                  or R.DEFAULT_SINGLE_NODE_INSTANCE)
+        training = (self.args.training_instance_type or outputs.get(TRAINING_INSTANCE_TYPE_OUTPUT)
+                    or DEFAULT_TRAINING_INSTANCE_TYPE)
+        single = (self.args.single_node_instance_type or outputs.get(SINGLE_NODE_INSTANCE_TYPE_OUTPUT)
+                  or DEFAULT_SINGLE_NODE_INSTANCE_TYPE)
         return training, single
 
 
@@ -247,11 +251,12 @@ def heartbeat_series(ctx: Context, run_id: str, *, start: float, end: float) -> 
     dimension set) between start and end, one point per minute, via CloudWatch GetMetricData."""
     from pipeline_steps import heartbeat
 
-    dimensions = [{"Name": heartbeat.DIMENSION, "Value": ctx.args.stage},
-                  {"Name": heartbeat.RUN_ID_DIMENSION, "Value": run_id}]
-    stat = {heartbeat.METRIC_STEP: "Maximum"}
+    dimensions = [{"Name": HEARTBEAT_STAGE_DIMENSION, "Value": ctx.args.stage},
+                  {"Name": HEARTBEAT_RUN_DIMENSION, "Value": run_id}]
+    stat = {HEARTBEAT_STEP_METRIC: "Maximum"}
     queries = [{"Id": f"m{i}", "Label": name, "ReturnData": True,
-                "MetricStat": {"Metric": {"Namespace": heartbeat.NAMESPACE, "MetricName": name, "Dimensions": dimensions},
+                "MetricStat": {"Metric": {"Namespace": HEARTBEAT_NAMESPACE, "MetricName": name,
+                                          "Dimensions": dimensions},
                                "Period": 60, "Stat": stat.get(name, "Average")}}
                for i, (name, _) in enumerate(heartbeat.METRICS)]
     pages = ctx.client("cloudwatch").get_paginator("get_metric_data").paginate(
@@ -322,7 +327,7 @@ def _data_input(uri: str, data_bucket: Callable[[], str], paths: TeamPaths) -> d
 
 
 def cmd_start(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
-    run_input: dict[str, Any] = _data_input(args.data_uri, lambda: ctx.bucket("DataBucketName"), ctx.paths)
+    run_input: dict[str, Any] = _data_input(args.data_uri, lambda: ctx.bucket(DATA_BUCKET_OUTPUT), ctx.paths)
     if ctx.team and args.share not in (None, ctx.team):
         raise UsageError(f"--share {args.share!r}: team {ctx.team}'s runs use its own share identifier {ctx.team!r}; "
                          "drop --share.")
@@ -331,8 +336,10 @@ def cmd_start(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
         # "" trains from scratch.
         base = args.base_model
         run_input["init_from"] = base if (not base or "/" in base) else run_path(ctx.paths.run_id(base))
-    for key, value in (("num_nodes", args.nodes), ("share", args.share), ("priority", args.priority),
-                       ("embed_shards", args.embed_shards), ("prepare_shards", args.prepare_shards)):
+    for key, value in ((execution_input.NUM_NODES, args.nodes), (execution_input.SHARE, args.share),
+                       (execution_input.PRIORITY_FIELD, args.priority),
+                       (execution_input.EMBED_SHARDS, args.embed_shards),
+                       (execution_input.PREPARE_SHARDS, args.prepare_shards)):
         if value is not None:
             run_input[key] = value
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
@@ -499,7 +506,7 @@ def cmd_why(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_buckets(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
-    data, artifacts = ctx.bucket("DataBucketName"), ctx.bucket("ArtifactsBucketName")
+    data, artifacts = ctx.bucket(DATA_BUCKET_OUTPUT), ctx.bucket(ARTIFACTS_BUCKET_OUTPUT)
     paths = ctx.paths
     return {"team": ctx.team, "data_bucket": data, "artifacts_bucket": artifacts,
             "upload_to": f"s3://{data}/{paths.incoming_prefix}<dataset>/<version>/",

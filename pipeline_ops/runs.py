@@ -12,15 +12,14 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from pipeline_steps import contract
+import pipeline_contract
 from pipeline_steps import cost as cost_lib
+from pipeline_contract import HEARTBEAT_LOSS_METRIC, HEARTBEAT_STEP_METRIC, HEARTBEAT_THROUGHPUT_METRIC
 
 # Batch states of the pipeline, in order; job names are the lower-cased state names. Multi-node
 # ones run on the training instance type.
-BATCH_STATES: tuple[str, ...] = tuple(step.state for step in contract.PIPELINE_STEPS)
-MULTI_NODE_STATES = frozenset(step.state for step in contract.PIPELINE_STEPS if step.multi_node)
-DEFAULT_TRAINING_INSTANCE = contract.DEFAULT_TRAINING_INSTANCE_TYPE
-DEFAULT_SINGLE_NODE_INSTANCE = contract.DEFAULT_SINGLE_NODE_INSTANCE_TYPE
+BATCH_STATES: tuple[str, ...] = tuple(step.state for step in pipeline_contract.PIPELINE_STEPS)
+MULTI_NODE_STATES = frozenset(step.state for step in pipeline_contract.PIPELINE_STEPS if step.multi_node)
 # Step Functions execution names: 1-80 of these characters (the run id is the execution name).
 _NAME_OK = re.compile(r"[^A-Za-z0-9_-]+")
 
@@ -231,9 +230,7 @@ def train_progress(series: dict[str, list[tuple[float, float]]], total_steps: in
 
     The step rate is the slope of TrainStep over the points returned (newest minus oldest), so a
     restart from a checkpoint or a slow first step only weighs as much as it lasted."""
-    from pipeline_steps import heartbeat
-
-    steps = sorted(series.get(heartbeat.METRIC_STEP, []))
+    steps = sorted(series.get(HEARTBEAT_STEP_METRIC, []))
     if not steps:
         return None
 
@@ -246,8 +243,8 @@ def train_progress(series: dict[str, list[tuple[float, float]]], total_steps: in
     eta = None
     if rate and total_steps:
         eta = max(total_steps - s_last, 0) / rate
-    return {"step": int(s_last), "total_steps": total_steps, "loss": latest(heartbeat.METRIC_LOSS),
-            "tokens_per_s": latest(heartbeat.METRIC_TOKENS_PER_S),
+    return {"step": int(s_last), "total_steps": total_steps, "loss": latest(HEARTBEAT_LOSS_METRIC),
+            "tokens_per_s": latest(HEARTBEAT_THROUGHPUT_METRIC),
             "steps_per_s": None if rate is None else round(rate, 4),
             "eta_seconds": None if eta is None else round(eta, 1),
             "last_heartbeat": iso(t_last), "heartbeat_age_seconds": round(now - t_last, 1)}

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from . import distributed as dist_lib
-from .contract import COMPILE_CACHE_DIR, COMPILE_DIR, COMPILE_REPORT, PREPARED_DIR
+from pipeline_contract import COMPILE_CACHE_DIR, COMPILE_DIR, COMPILE_REPORT, PREPARED_DIR
 from .errors import EXIT_CODE_FILE_ENV, BadConfigError, ExitCode, RetryableError, StepError
 from . import tracking
 from .fileio import atomic_write_json, read_json

@@ -23,7 +23,7 @@ import torch
 
 from . import fileio
 from .config import ModelConfig, from_dict
-from .contract import CHECKPOINTS_DIR
+from pipeline_contract import CHECKPOINTS_DIR
 from .errors import BadInputError
 from .model import EmbeddingModel
 

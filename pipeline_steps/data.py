@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from .config import DataConfig, from_dict
-from .contract import FSX_INCOMING, PREPARE_REPORT, PREPARED_DIR
+from pipeline_contract import FSX_INCOMING, PREPARE_REPORT, PREPARED_DIR
 from .errors import BadInputError
 from .fileio import atomic_path, atomic_write_json, read_json
 
@@ -46,7 +46,6 @@ _BOM = b"\xef\xbb\xbf"  # the UTF-8 byte order mark some editors write first
 NUMERIC_CLIP = 10.0
 """Normalised numeric features are clipped to +-this many standard deviations, so one absurd
 price cannot saturate the fusion MLP."""
-PREPARED = PREPARED_DIR
 
 log = logging.getLogger("pipeline_steps.data")
 
@@ -1089,7 +1088,7 @@ def _load_products(prepared: Path, data_cfg: DataConfig, schema: Schema) -> Prod
 
 def load_prepared(run_dir: str | Path) -> PreparedData:
     """Everything `prepare` wrote for `run_dir`; BadInputError with the command to run if it hasn't."""
-    prepared = Path(run_dir) / PREPARED
+    prepared = Path(run_dir) / PREPARED_DIR
     report_path = Path(run_dir) / PREPARE_REPORT
     if not report_path.is_file():
         raise BadInputError(f"{run_dir} has no prepared data ({report_path} missing); run "

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .contract import COMPILE_CACHE_BASE_ENV
+from pipeline_contract import COMPILE_CACHE_BASE_ENV
 from .errors import BadConfigError, RetryableError
 from .packages import versions  # re-exported: callers that already hold torch ask here
 
@@ -506,9 +506,6 @@ def initialize_compile_cache(world: World, path: str) -> None:
         _compile_cache_open = True
 
 
-NEURON_CACHE_BASE_ENV = COMPILE_CACHE_BASE_ENV
-
-
 def neuron_cache_url(base: str | None) -> str | None:
     """The Neuron persistent cache location for this compiler: `<base>/neuronx-cc-<version>/`.
 
@@ -522,7 +519,7 @@ def neuron_cache_url(base: str | None) -> str | None:
 
 def configure_neuron_cache(base: str | None = None) -> str | None:
     """Point the Neuron runtime at the versioned cache (unless NEURON_COMPILE_CACHE_URL is set)."""
-    url = neuron_cache_url(base or os.environ.get(NEURON_CACHE_BASE_ENV))
+    url = neuron_cache_url(base or os.environ.get(COMPILE_CACHE_BASE_ENV))
     if url and neuron_available():
         os.environ.setdefault("NEURON_COMPILE_CACHE_URL", url)
     return os.environ.get("NEURON_COMPILE_CACHE_URL")

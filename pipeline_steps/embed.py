@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import distributed
-from .contract import EMBEDDINGS_DIR, EMBEDDINGS_MANIFEST
+from pipeline_contract import EMBEDDINGS_DIR, EMBEDDINGS_MANIFEST
 from .errors import BadInputError, RetryableError
 from . import tracking
 from .fileio import atomic_path, atomic_write_json, read_json, sha256_file

@@ -1,4 +1,4 @@
-"""The error types that map onto the exit-code table (`ExitCode`, defined in pipeline_steps/contract.py).
+"""The error types that map onto the exit-code table (`ExitCode`, defined in pipeline_contract/).
 
 Every step raises one of the `StepError` subclasses below for an expected failure; the CLI
 (`pipeline_steps.__main__`) turns it into a one-line message and the matching exit code.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from .contract import EXIT_CODE_FILE_ENV, ExitCode
+from pipeline_contract import EXIT_CODE_FILE_ENV, ExitCode
 
 __all__ = ["EXIT_CODE_FILE_ENV", "BadConfigError", "BadInputError", "ExitCode", "GateFailedError", "NonFiniteLossError",
            "RetryableError", "StepError", "record_exit_code"]

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .config import ModelConfig, from_dict
-from .contract import GATE_REPORT
+from pipeline_contract import GATE_REPORT
 from .errors import BadConfigError, BadInputError
 from .fileio import fsync_dir, sha256_file
 

@@ -1,7 +1,7 @@
 """Training-progress heartbeat: one CloudWatch Embedded Metric Format (EMF) line on stdout per `emit`.
 
 CloudWatch Logs turns each line into the metrics TrainStep, TrainLoss and TokensPerSecond (names from
-pipeline_steps/contract.py), per stage and per run; the stall alarm watches the run's TrainStep. On
+pipeline_contract), per stage and per run; the stall alarm watches the run's TrainStep. On
 only on AWS Batch (AWS_BATCH_JOB_ID set), unless PIPELINE_HEARTBEAT=1 or 0 forces it. Call it from
 rank 0: `Heartbeat().emit(step=120, loss=0.41, tokens_per_s=183000.0)`. Standard library only, as
 it runs in the training image. The metric contract and a sample line: docs/operations.md, "Heartbeat".
@@ -17,30 +17,26 @@ import threading
 import time
 from typing import Any, Mapping, TextIO
 
-from . import contract
+from pipeline_contract import (
+    HEARTBEAT_LOSS_METRIC, HEARTBEAT_NAMESPACE, HEARTBEAT_RUN_DIMENSION, HEARTBEAT_STAGE_DIMENSION,
+    HEARTBEAT_STEP_METRIC, HEARTBEAT_THROUGHPUT_METRIC, RUN_ID_ENV, STAGE_ENV,
+)
 
-NAMESPACE = contract.HEARTBEAT_NAMESPACE
-DIMENSION = contract.HEARTBEAT_STAGE_DIMENSION
-RUN_ID_DIMENSION = contract.HEARTBEAT_RUN_DIMENSION
 # Per stage (stage-wide graphs) and per run: the per-job stall alarm reads the second, so a
 # healthy run of the same stage can never hide a stalled one.
-DIMENSION_SETS: tuple[tuple[str, ...], ...] = ((DIMENSION,), (DIMENSION, RUN_ID_DIMENSION))
-METRIC_STEP = contract.HEARTBEAT_STEP_METRIC
-METRIC_LOSS = contract.HEARTBEAT_LOSS_METRIC
-METRIC_TOKENS_PER_S = contract.HEARTBEAT_THROUGHPUT_METRIC
+DIMENSION_SETS: tuple[tuple[str, ...], ...] = (
+    (HEARTBEAT_STAGE_DIMENSION,), (HEARTBEAT_STAGE_DIMENSION, HEARTBEAT_RUN_DIMENSION))
 # (name, CloudWatch unit) in the order they appear in every line.
 METRICS: tuple[tuple[str, str], ...] = (
-    (METRIC_STEP, "Count"),
-    (METRIC_LOSS, "None"),
-    (METRIC_TOKENS_PER_S, "Count/Second"),
+    (HEARTBEAT_STEP_METRIC, "Count"),
+    (HEARTBEAT_LOSS_METRIC, "None"),
+    (HEARTBEAT_THROUGHPUT_METRIC, "Count/Second"),
 )
-ENV_STAGE = contract.STAGE_ENV
-ENV_RUN_ID = contract.RUN_ID_ENV
 ENV_FORCE = "PIPELINE_HEARTBEAT"
 DEFAULT_STAGE = "local"
 DEFAULT_RUN_ID = "local"
 
-_RESERVED = {"_aws", DIMENSION, RUN_ID_DIMENSION} | {name for name, _ in METRICS}
+_RESERVED = {"_aws", HEARTBEAT_STAGE_DIMENSION, HEARTBEAT_RUN_DIMENSION} | {name for name, _ in METRICS}
 
 
 def enabled_by_env(environ: Mapping[str, str] | None = None) -> bool:
@@ -67,23 +63,23 @@ def emf_record(
     """One EMF record (a dict; `json.dumps` it onto one line). Metrics whose value is missing or
     not finite are left out of both the directive and the record: EMF rejects a declared metric
     without a value, and JSON has no NaN."""
-    values: dict[str, float | int] = {METRIC_STEP: int(step)}
-    for name, value in ((METRIC_LOSS, loss), (METRIC_TOKENS_PER_S, tokens_per_s)):
+    values: dict[str, float | int] = {HEARTBEAT_STEP_METRIC: int(step)}
+    for name, value in ((HEARTBEAT_LOSS_METRIC, loss), (HEARTBEAT_THROUGHPUT_METRIC, tokens_per_s)):
         if value is not None and math.isfinite(float(value)):
             values[name] = float(value)
     record: dict[str, Any] = {
         "_aws": {
             "Timestamp": int(time.time() * 1000) if timestamp_ms is None else int(timestamp_ms),
             "CloudWatchMetrics": [{
-                "Namespace": NAMESPACE,
+                "Namespace": HEARTBEAT_NAMESPACE,
                 "Dimensions": [list(dimension_set) for dimension_set in DIMENSION_SETS],
                 "Metrics": [{"Name": name, "Unit": unit} for name, unit in METRICS if name in values],
             }],
         },
-        DIMENSION: stage,
-        RUN_ID_DIMENSION: run_id,
+        HEARTBEAT_STAGE_DIMENSION: stage,
+        HEARTBEAT_RUN_DIMENSION: run_id,
     }
-    if loss is not None and METRIC_LOSS not in values:
+    if loss is not None and HEARTBEAT_LOSS_METRIC not in values:
         record["TrainLossNotFinite"] = str(loss)  # visible in Logs Insights, not a metric
     for key, value in (properties or {}).items():
         if key in _RESERVED:
@@ -111,8 +107,8 @@ class Heartbeat:
         environ: Mapping[str, str] | None = None,
     ) -> None:
         env = os.environ if environ is None else environ
-        self.stage = stage or env.get(ENV_STAGE) or DEFAULT_STAGE
-        self.run_id = run_id or env.get(ENV_RUN_ID) or DEFAULT_RUN_ID
+        self.stage = stage or env.get(STAGE_ENV) or DEFAULT_STAGE
+        self.run_id = run_id or env.get(RUN_ID_ENV) or DEFAULT_RUN_ID
         self.enabled = enabled_by_env(env) if enabled is None else bool(enabled)
         self._stream = stream
         self._lock = threading.Lock()  # one line never interleaves with another writer's

@@ -12,7 +12,7 @@ import fnmatch
 import importlib.metadata
 import sys
 
-from .contract import ExitCode
+from pipeline_contract import ExitCode
 
 NUMERICS_PACKAGES = ("torch", "torch-xla", "torch-neuronx", "neuronx-cc", "libneuronxla")
 
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     problems = mismatches(dict(spec.split("==", 1) for spec in args.expect))
     for problem in problems:
-        print(f"packages: {problem} (pipeline_steps/contract.py NEURON_SDK)", file=sys.stderr)
+        print(f"packages: {problem} (pipeline_contract/ NEURON_SDK)", file=sys.stderr)
     return int(ExitCode.BAD_CONFIG if problems else ExitCode.OK)
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from . import distributed as dist_lib
-from .contract import PREPARED_DIR, TRAIN_SUMMARY, VALIDATION_METRICS
+from pipeline_contract import PREPARED_DIR, TRAIN_SUMMARY, VALIDATION_METRICS
 from .errors import BadConfigError, ExitCode, StepError
 from .fileio import atomic_write_json
 

@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 
 from . import batch_validation as V, data as D
 from .config import DataConfig, get_preset, to_dict
-from .contract import FSX_INCOMING, PREPARE_REPORT
+from pipeline_contract import FSX_INCOMING, PREPARED_DIR, PREPARE_REPORT
 from .errors import BadConfigError, BadInputError, StepError
 from . import tracking, upload
 from .fileio import atomic_path, atomic_write_bytes, atomic_write_json, sha256_file
@@ -244,13 +244,13 @@ def load_previous(init_from: Path) -> tuple[bytes, D.Schema, str]:
     from: RUN_DIR/prepared/ when it exists, else the checkpoint (the given .pt, or the run's latest)."""
     if not init_from.exists():
         raise BadInputError(f"--init-from {init_from} does not exist; pass the previous run dir or a checkpoint .pt")
-    prepared = init_from / D.PREPARED
+    prepared = init_from / PREPARED_DIR
     if init_from.is_dir() and (prepared / "tokenizer.json").is_file() and (prepared / "schema.json").is_file():
         return (prepared / "tokenizer.json").read_bytes(), D.Schema.load(prepared / "schema.json"), str(prepared)
     from . import checkpoint  # imports torch and the model: paid only on this path
 
     if init_from.is_dir() and checkpoint.latest(init_from) is None:
-        raise BadInputError(f"--init-from {init_from} has neither {D.PREPARED}/tokenizer.json + schema.json nor a "
+        raise BadInputError(f"--init-from {init_from} has neither {PREPARED_DIR}/tokenizer.json + schema.json nor a "
                             f"valid checkpoint; pass the previous run dir or one of its checkpoints (.pt)")
     source = checkpoint.resolve(init_from)
     state = checkpoint.load(source)  # verifies the manifest checksum
@@ -578,7 +578,7 @@ def prepare(args: argparse.Namespace, preset) -> dict[str, Any]:
     """The step without its tracking: validate, tokenise, write RUN_DIR/prepared/; returns prepare.json."""
     started = time.time()
     cfg = data_config(args, preset)
-    out = args.run_dir / D.PREPARED
+    out = args.run_dir / PREPARED_DIR
     out.mkdir(parents=True, exist_ok=True)
     (args.run_dir / PREPARE_REPORT).unlink(missing_ok=True)  # invalidate first: a crash below leaves no "ok" marker
 

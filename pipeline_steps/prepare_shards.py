@@ -35,7 +35,7 @@ from . import data as D
 from . import prepare as P
 from . import upload
 from .config import DataConfig, from_dict, to_dict
-from .contract import PREPARE_REPORT
+from pipeline_contract import PREPARED_DIR, PREPARE_REPORT
 from .errors import BadInputError, StepError
 from .fileio import atomic_path, atomic_write_bytes, atomic_write_json, read_json, sha256_file
 from .shards import remove_stale_temps, resolve_shard, shard_bounds
@@ -59,7 +59,7 @@ query key (distinct queries in the report)."""
 
 
 def shards_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / D.PREPARED / SHARDS
+    return Path(run_dir) / PREPARED_DIR / SHARDS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,7 +146,7 @@ def _plan_id(plan: dict[str, Any]) -> str:
 def plan(args: argparse.Namespace, preset) -> dict[str, Any]:
     """Validate the catalog, fix the tokenizer and cut the pairs into units; returns plan.json."""
     cfg = P.data_config(args, preset)
-    out = args.run_dir / D.PREPARED
+    out = args.run_dir / PREPARED_DIR
     shards = out / SHARDS
     shards.mkdir(parents=True, exist_ok=True)
     (args.run_dir / PREPARE_REPORT).unlink(missing_ok=True)  # a new prepare starts: no old "ok" beside new files
@@ -375,7 +375,7 @@ def finish(run_dir: Path, shard_count: int | None = None, max_bad_fraction: floa
     """Check every unit, apply the threshold (the plan's, or `max_bad_fraction`: a finish that failed
     on it can be rerun alone with another), write RUN_DIR/prepared/ with prepare.json last."""
     started = time.time()
-    out = Path(run_dir) / D.PREPARED
+    out = Path(run_dir) / PREPARED_DIR
     shards = out / SHARDS
     plan_doc = load_plan(shards)
     done = Path(run_dir) / PREPARE_REPORT

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .config import ModelConfig
-from .contract import PREPARED_DIR
+from pipeline_contract import PREPARED_DIR
 from .errors import BadConfigError
 from .fileio import atomic_path
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from . import cost, tracking
-from .contract import (COMPILE_REPORT, EMBEDDINGS_DIR, EMBEDDINGS_MANIFEST, GATE_REPORT, TRAIN_SUMMARY,
+from pipeline_contract import (COMPILE_REPORT, EMBEDDINGS_DIR, EMBEDDINGS_MANIFEST, GATE_REPORT, TRAIN_SUMMARY,
                        VALIDATION_METRICS)
 from .errors import BadConfigError, ExitCode
 from .fileio import atomic_write_json, read_json

@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from . import distributed, tracking
-from .contract import INSTANCE_TYPE_ENV, INSTANCE_TYPES, NPROC_PER_NODE_ENV, InstanceSpec
+from pipeline_contract import INSTANCE_TYPE_ENV, INSTANCE_TYPES, NPROC_PER_NODE_ENV, InstanceSpec
 from .errors import BadConfigError, ExitCode, RetryableError
 from .fileio import atomic_write_json, read_json
 from .watchdog import Watchdog

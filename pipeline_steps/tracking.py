@@ -24,14 +24,16 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from .contract import INSTANCE_TYPE_ENV, PREPARE_REPORT, RUN_ID_ENV, TEAM_ENV
+from pipeline_contract import (
+    DEFAULT_MLFLOW_EXPERIMENT, GIT_COMMIT_ENV, INSTANCE_TYPE_ENV, MLFLOW_EXPERIMENT_ENV, MLFLOW_TRACKING_URI_ENV,
+    PREPARE_REPORT, RUN_ID_ENV, TEAM_ENV, TRAINING_IMAGE_DIGEST_ENV, TRAINING_IMAGE_URI_ENV,
+)
 from .errors import ExitCode
 from .fileio import atomic_write_json, read_json
 from .packages import versions  # metadata only: a step that needs no torch never imports it
 
 log = logging.getLogger(__name__)
 
-DEFAULT_EXPERIMENT = "trainium-embeddings"
 RUN_ID_TAG = "pipeline.run_id"
 TEAM_TAG = "pipeline.team"  # the team whose run it is (env PIPELINE_TEAM, set by a team's job definitions)
 POINTER_FILE = "mlflow.json"
@@ -65,7 +67,7 @@ def is_logging_process(environ: Mapping[str, str] = os.environ) -> bool:
 
 
 def tracking_uri(run_dir: Path, environ: Mapping[str, str] = os.environ) -> str:
-    return environ.get("MLFLOW_TRACKING_URI") or (Path(run_dir).resolve() / "mlruns").as_uri()
+    return environ.get(MLFLOW_TRACKING_URI_ENV) or (Path(run_dir).resolve() / "mlruns").as_uri()
 
 
 def pipeline_run_id(run_dir: Path, environ: Mapping[str, str] = os.environ) -> str:
@@ -81,8 +83,8 @@ def run_tags(run_id: str, environ: Mapping[str, str] = os.environ) -> dict[str, 
 
 def git_commit(environ: Mapping[str, str] = os.environ) -> str | None:
     """GIT_COMMIT (baked into the image at build time) or the checkout this package runs from."""
-    if environ.get("GIT_COMMIT"):
-        return environ["GIT_COMMIT"]
+    if environ.get(GIT_COMMIT_ENV):
+        return environ[GIT_COMMIT_ENV]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
                              capture_output=True, text=True, timeout=5, check=False)
@@ -107,8 +109,8 @@ def reproducibility(run_dir: Path, environ: Mapping[str, str] = os.environ) -> d
     """The set M5 tracked to make any past run reproducible. Only env and files: no IMDS call."""
     out: dict[str, str | None] = {
         "git_commit": git_commit(environ),
-        "image_uri": environ.get("TRAINING_IMAGE_URI"),
-        "image_digest": environ.get("TRAINING_IMAGE_DIGEST"),
+        "image_uri": environ.get(TRAINING_IMAGE_URI_ENV),
+        "image_digest": environ.get(TRAINING_IMAGE_DIGEST_ENV),
         # INSTANCE_TYPE is set by the job definition from the instance table; IMDS stays untouched.
         "instance_type": environ.get(INSTANCE_TYPE_ENV) or ("local" if "AWS_BATCH_JOB_ID" not in environ else None),
         "num_nodes": environ.get("AWS_BATCH_JOB_NUM_NODES", "1"),
@@ -156,7 +158,7 @@ class _Session:
 
         self.run_dir, self.uri = Path(run_dir), uri
         self.client = MlflowClient(tracking_uri=uri)
-        name = os.environ.get("MLFLOW_EXPERIMENT_NAME", DEFAULT_EXPERIMENT)
+        name = os.environ.get(MLFLOW_EXPERIMENT_ENV, DEFAULT_MLFLOW_EXPERIMENT)
         experiment = self.client.get_experiment_by_name(name)
         self.experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
         self.parent_id = self._parent()

@@ -18,7 +18,7 @@ import logging
 
 from . import distributed as dist_lib, tracking
 from .config import to_dict
-from .contract import COMPILE_CACHE_DIR, TRAIN_METRICS
+from pipeline_contract import COMPILE_CACHE_DIR, TRAIN_METRICS
 from .heartbeat import Heartbeat
 from .model import count_parameters
 from .trainer import Trainer, add_train_args, resolve_train_config, run_training

@@ -20,7 +20,7 @@ import torch
 
 from . import checkpoint, data as data_lib, distributed as dist_lib, pretrained, tracking
 from .config import PRETRAINED_TRAIN, DataConfig, ModelConfig, TrainConfig, from_dict, get_preset, to_dict
-from .contract import PREPARED_DIR, TRAIN_DIR, TRAIN_METRICS, TRAIN_SUMMARY
+from pipeline_contract import PREPARED_DIR, TRAIN_DIR, TRAIN_METRICS, TRAIN_SUMMARY
 from .errors import BadConfigError, NonFiniteLossError
 from .fileio import append_jsonl, atomic_write_json, sha256_file
 from .heartbeat import Heartbeat

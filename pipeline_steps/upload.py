@@ -1,7 +1,8 @@
 """The upload contract, and waiting until an upload is complete on the file system.
 
-An upload is `<dataset>/<version>/{products/..., pairs/..., _SUCCESS}`, `_SUCCESS` uploaded last and
-best a manifest of the files (`manifest_for` writes one). On AWS, prepare waits, bounded (then exit
+An upload is `<dataset>/<version>/{products/..., pairs/..., _SUCCESS}`, the marker uploaded last and
+best a manifest of the files (`manifest_for` writes one); a stage may name the marker otherwise
+(PIPELINE_SUCCESS_MARKER). On AWS, prepare waits, bounded (then exit
 75), until every file is visible on FSx with its full size. Why, and the manifest format:
 docs/data.md, "Data readiness".
 """
@@ -10,20 +11,28 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
+
+from pipeline_contract import SUCCESS_MARKER, SUCCESS_MARKER_ENV
 
 from .errors import BadInputError, RetryableError
 from .fileio import sha256_file
 
 log = logging.getLogger("pipeline_steps.upload")
 
-SUCCESS_MARKER = "_SUCCESS"
 # FSx for Lustre imports new S3 objects asynchronously, object by object, in no guaranteed order:
-# the _SUCCESS event can arrive before the upload is visible on /fsx.
+# the marker's event can arrive before the upload is visible on /fsx.
 DOCS = "https://docs.aws.amazon.com/fsx/latest/LustreGuide/autoimport-data-repo-dra.html"
+
+
+def success_marker(environ: Mapping[str, str] = os.environ) -> str:
+    """The marker's name: the stage's (PIPELINE_SUCCESS_MARKER, set by the compute stack when it is
+    not the default), else the contract's SUCCESS_MARKER."""
+    return environ.get(SUCCESS_MARKER_ENV) or SUCCESS_MARKER
 
 
 @dataclass(frozen=True)
@@ -34,27 +43,28 @@ class ManifestEntry:
 
 
 def read_manifest(upload_dir: Path) -> list[ManifestEntry] | None:
-    """The files `_SUCCESS` lists; None for an empty marker (no manifest). BadInputError when
+    """The files the marker lists; None for an empty marker (no manifest). BadInputError when
     the marker holds something that is not a manifest."""
-    text = (upload_dir / SUCCESS_MARKER).read_bytes()
+    marker = upload_dir / success_marker()
+    text = marker.read_bytes()
     if not text.strip():
         return None
     try:
         files = json.loads(text)["files"]
         entries = [ManifestEntry(str(f["path"]), int(f["bytes"]), f.get("sha256")) for f in files]
     except (ValueError, KeyError, TypeError) as exc:
-        raise BadInputError(f"{upload_dir / SUCCESS_MARKER} is neither empty nor a manifest ({exc!r}); expected "
+        raise BadInputError(f"{marker} is neither empty nor a manifest ({exc!r}); expected "
                             f'{{"files": [{{"path": "products/part-00000.jsonl", "bytes": 1234}}, ...]}}') from None
     for entry in entries:
         if entry.path.startswith("/") or ".." in Path(entry.path).parts or entry.bytes < 0:
-            raise BadInputError(f"{upload_dir / SUCCESS_MARKER} lists {entry.path!r} ({entry.bytes} bytes): paths "
+            raise BadInputError(f"{marker} lists {entry.path!r} ({entry.bytes} bytes): paths "
                                 f"must be relative to the upload directory and sizes >= 0")
     return entries
 
 
 def manifest_for(upload_dir: Path) -> dict:
     """The manifest of the files under `upload_dir` (hidden and `_` files excluded), to upload as
-    its `_SUCCESS`: what a data owner's export job writes last."""
+    its marker: what a data owner's export job writes last."""
     files = sorted(f for f in upload_dir.rglob("*") if f.is_file()
                    and not any(part.startswith((".", "_")) for part in f.relative_to(upload_dir).parts))
     return {"files": [{"path": f.relative_to(upload_dir).as_posix(), "bytes": f.stat().st_size,
@@ -70,13 +80,13 @@ def missing_files(upload_dir: Path, previous: dict[str, int] | None,
                   on_fsx: bool = True) -> tuple[list[str], dict[str, int] | None]:
     """(what is not there yet, the listing to compare with next time); empty when complete.
     `on_fsx=False` (local data, nothing is imported): only a manifest, if any, is checked."""
-    marker = upload_dir / SUCCESS_MARKER
+    marker = upload_dir / success_marker()
     if not on_fsx and not marker.is_file():
         return [], None
     if not upload_dir.is_dir():
         return [f"{upload_dir} itself"], None
     if not marker.is_file():
-        return [SUCCESS_MARKER], None
+        return [marker.name], None
     manifest = read_manifest(upload_dir)
     if manifest is None:
         if not on_fsx:
@@ -97,7 +107,7 @@ def wait_for_upload(upload_dir: Path, timeout_s: float, poll_s: float = 10.0,
                     clock: Callable[[], float] = time.monotonic) -> None:
     """Return once every file of the upload is visible and complete; RetryableError (exit 75, Batch
     retries the job) when it is not after `timeout_s`. `timeout_s=0` is local data: no waiting,
-    only the manifest in `_SUCCESS`, if there is one, is checked."""
+    only the manifest in the marker, if there is one, is checked."""
     on_fsx = timeout_s > 0
     deadline = clock() + timeout_s
     missing, listing = missing_files(upload_dir, None, on_fsx)
@@ -107,7 +117,7 @@ def wait_for_upload(upload_dir: Path, timeout_s: float, poll_s: float = 10.0,
             raise RetryableError(
                 f"the upload {upload_dir} is not complete after {timeout_s:.0f} s (--upload-timeout): missing "
                 f"{shown}. FSx for Lustre imports new S3 objects asynchronously ({DOCS}); a retry waits again. "
-                f"If it never completes, check that every file was uploaded before {SUCCESS_MARKER} and that "
+                f"If it never completes, check that every file was uploaded before {success_marker()} and that "
                 f"its manifest matches the upload")
         log.info("waiting for the upload %s: missing %s", upload_dir, ", ".join(missing[:3]))
         sleep(poll_s)
@@ -117,10 +127,11 @@ def wait_for_upload(upload_dir: Path, timeout_s: float, poll_s: float = 10.0,
 def check_checksums(upload_dir: Path, checksums: dict[str, str]) -> None:
     """BadInputError when a file's sha256 (path -> hex digest, as prepare computed it) differs from
     the manifest's: the upload is damaged or the manifest is stale."""
-    if not (upload_dir / SUCCESS_MARKER).is_file():
+    marker = success_marker()
+    if not (upload_dir / marker).is_file():
         return
     for entry in read_manifest(upload_dir) or []:
         got = checksums.get(str(upload_dir / entry.path))
         if entry.sha256 and got and got != entry.sha256:
-            raise BadInputError(f"{upload_dir / entry.path} has sha256 {got} but {SUCCESS_MARKER} lists "
-                                f"{entry.sha256}; re-upload the file (then {SUCCESS_MARKER})")
+            raise BadInputError(f"{upload_dir / entry.path} has sha256 {got} but {marker} lists "
+                                f"{entry.sha256}; re-upload the file (then {marker})")

@@ -29,7 +29,7 @@ import torch
 from . import distributed, metrics as metrics_lib, s3
 from .inference import DEFAULT_BATCH_SIZE, InferenceModel, check_compatible, embed_products, embed_queries, \
     load_for_inference
-from .contract import GATE_REPORT, VALIDATION_DIR, VALIDATION_METRICS
+from pipeline_contract import GATE_REPORT, VALIDATION_DIR, VALIDATION_METRICS
 from .errors import BadConfigError, BadInputError, GateFailedError
 from . import tracking
 from .fileio import atomic_write_json

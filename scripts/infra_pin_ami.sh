@@ -5,7 +5,7 @@
 #     scripts/infra_pin_ami.sh us-east-1 [us-west-2 ...]
 #     git diff stacks/neuron_amis.json && make test && git commit -m "Pin Neuron AMI" stacks/neuron_amis.json tests/infra/snapshots
 # An AMI built before the Neuron driver of the training image's SDK release shipped
-# (pipeline_steps/contract.py NEURON_SDK) is refused: it carries an older driver, and the launch
+# (pipeline_contract/ NEURON_SDK) is refused: it carries an older driver, and the launch
 # template's user data would refuse such hosts at boot, so jobs would only wait RUNNABLE.
 # NEURON_AMIS_FILE overrides the output path (tests).
 set -euo pipefail
@@ -21,7 +21,7 @@ for region in "$@"; do
   REGION="$region" VALUE="$value" OUT="$out" REPO="$repo" "$python_bin" - <<'PY'
 import datetime, json, os, re, sys
 sys.path.insert(0, os.environ["REPO"])
-from pipeline_steps.contract import ami_driver_problem
+from pipeline_contract import ami_driver_problem
 region, out = os.environ["REGION"], os.environ["OUT"]
 value = json.loads(os.environ["VALUE"])
 image_id, image_name = value.get("image_id", ""), value.get("image_name", "")

@@ -13,8 +13,10 @@ from aws_cdk import CfnOutput, Duration, Stack
 from aws_cdk import aws_ecs as ecs
 from constructs import Construct
 
-from pipeline_steps.contract import (
-    CANARY_JOB, COMPILE_CACHE_BASE_ENV, PIPELINE_STEPS, RDZV_TIMEOUT_ENV, RUNS_PREFIX, STAGE_ENV, TEAM_ENV,
+from pipeline_contract import (
+    CANARY, COMPILE_CACHE_BASE_ENV, MLFLOW_EXPERIMENT_ENV, MLFLOW_TRACKING_URI_ENV, PIPELINE_STEPS,
+    RDZV_TIMEOUT_ENV, RUNS_PREFIX, STAGE_ENV, SUCCESS_MARKER, SUCCESS_MARKER_ENV, TEAM_ENV, TRAINING_IMAGE_URI_ENV,
+    AttemptTimeout,
 )
 from stacks.config import StageConfig
 from stacks.constructs.efa_launch_template import ProjectQuota
@@ -98,14 +100,14 @@ class ComputeStack(Stack):
         """Without teams, "Jobs" holds every job definition (the default team's and the canary); with
         teams it holds the canary, and each team has its own job definitions, role and log group."""
         self._log_key = log_encryption_key(self, "LogsKey", description=f"{config.project}-{config.name}: Batch job logs")
-        self.jobs = self._job_definitions(config, storage, None, steps={CANARY_JOB} if config.teams else None)
+        self.jobs = self._job_definitions(config, storage, None, steps={CANARY.name} if config.teams else None)
         self.team_jobs = {team.name: self._job_definitions(config, storage, team, steps=PIPELINE_STEP_NAMES)
                           for team in config.teams}
         self.job_definitions = self.jobs.job_definitions
         self.job_definition_refs = self.jobs.refs
         self.job_role = self.jobs.job_role
         self.job_log_group = self.jobs.log_group
-        self.canary = self.jobs.refs[CANARY_JOB]
+        self.canary = self.jobs.refs[CANARY.name]
         self.teams = [TeamJobs(t, self.team_jobs[t.name].refs, self.team_jobs[t.name].log_group)
                       for t in config.teams] or [TeamJobs(None, self.jobs.refs, self.jobs.log_group)]
         for team in config.teams:
@@ -153,11 +155,14 @@ class ComputeStack(Stack):
         cache = COMPILE_CACHE_PREFIX + (f"/{team.name}" if team else "")
         # What pipeline_steps/tracking.py reads; INSTANCE_TYPE is set per job definition. A team's
         # runs go to the team's own experiment, tagged with the team.
-        tracking_env = {"MLFLOW_EXPERIMENT_NAME": name, "TRAINING_IMAGE_URI": self.image_uri}
+        tracking_env = {MLFLOW_EXPERIMENT_ENV: name, TRAINING_IMAGE_URI_ENV: self.image_uri}
         if self.mlflow_tracking_uri is not None:
-            tracking_env["MLFLOW_TRACKING_URI"] = self.mlflow_tracking_uri
+            tracking_env[MLFLOW_TRACKING_URI_ENV] = self.mlflow_tracking_uri
         if team is not None:
             tracking_env[TEAM_ENV] = team.name
+        # Only another marker than the steps' default is passed (the default stage's jobs stay as they were).
+        if config.pipeline.success_marker != SUCCESS_MARKER:
+            tracking_env[SUCCESS_MARKER_ENV] = config.pipeline.success_marker
         return JobDefinitions(
             self,
             f"{team.construct_name}Jobs" if team else "Jobs",
@@ -170,9 +175,9 @@ class ComputeStack(Stack):
             shared_memory_gib=cfg.shared_memory_gib,
             single_node_shared_memory_gib=cfg.single_node_shared_memory_gib,
             retry_attempts=cfg.retry_attempts,
-            train_timeout=Duration.hours(cfg.train_attempt_timeout_hours),
-            compile_timeout=Duration.hours(cfg.compile_attempt_timeout_hours),
-            short_timeout=Duration.hours(cfg.short_attempt_timeout_hours),
+            timeouts={AttemptTimeout.TRAIN: Duration.hours(cfg.train_attempt_timeout_hours),
+                      AttemptTimeout.COMPILE: Duration.hours(cfg.compile_attempt_timeout_hours),
+                      AttemptTimeout.SHORT: Duration.hours(cfg.short_attempt_timeout_hours)},
             environment={
                 STAGE_ENV: config.name,
                 COMPILE_CACHE_BASE_ENV: storage.cache_bucket.s3_url_for_object(cache),

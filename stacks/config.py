@@ -14,17 +14,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 
-from pipeline_steps import contract
+import pipeline_contract
+from pipeline_contract import INSTANCE_TYPES, InstanceSpec
 from pipeline_steps.config import PRESETS
-from pipeline_steps.contract import InstanceSpec
 from stacks.pipeline_config import PipelineConfig
 from stacks.team_config import TeamConfig, check_teams
 
-
-# The instance table lives in pipeline_steps.contract (pure Python), the one source of EFA interface
-# counts, Neuron devices and cores: the launch templates, the job definitions' device lists, the
-# user-data checks and NPROC_PER_NODE are generated from it, and `sanity` checks hosts against it.
-INSTANCE_TYPES = contract.INSTANCE_TYPES
 
 _AMI_RE = re.compile(r"^ami-[0-9a-f]{8}([0-9a-f]{9})?$")
 # AWS's current recommended ECS-optimized AL2023 Neuron AMI, per region (public SSM parameter).
@@ -45,7 +40,6 @@ _VERSION_RE = re.compile(r"^\d+(\.\d+){1,3}$")
 # FSx for Lustre PERSISTENT_2: storage 1200 GiB or a multiple of 2400 GiB; throughput per TiB one
 # of 125/250/500/1000 MB/s. https://docs.aws.amazon.com/fsx/latest/APIReference/API_CreateFileSystem.html
 _FSX_P2_THROUGHPUTS = (125, 250, 500, 1000)
-LOG_RETENTION_DAYS = contract.LOG_RETENTION_DAYS
 # The longest a compute environment update waits for running jobs before it terminates them
 # (UpdatePolicy jobExecutionTimeoutMinutes: 1..7200,
 # https://docs.aws.amazon.com/batch/latest/APIReference/API_UpdatePolicy.html).
@@ -132,10 +126,10 @@ class NetworkConfig:
                 f"NetworkConfig.private_subnet_mask={self.private_subnet_mask}: use 16..24; every EFA "
                 "interface consumes one private IP."
             )
-        if self.flow_log_retention_days not in LOG_RETENTION_DAYS:
+        if self.flow_log_retention_days not in pipeline_contract.LOG_RETENTION_DAYS:
             raise ValueError(
                 f"NetworkConfig.flow_log_retention_days={self.flow_log_retention_days}: use a CloudWatch Logs "
-                f"value {LOG_RETENTION_DAYS}."
+                f"value {pipeline_contract.LOG_RETENTION_DAYS}."
             )
         if self.nat_gateways < 0:
             raise ValueError(f"NetworkConfig.nat_gateways={self.nat_gateways}: must be >= 0.")
@@ -193,11 +187,11 @@ class ComputeConfig:
     docs/infrastructure.md ("Reserved capacity") says why there is no setting for a targeted
     reservation or a Capacity Block."""
 
-    training_instance_type: str = contract.DEFAULT_TRAINING_INSTANCE_TYPE
+    training_instance_type: str = pipeline_contract.DEFAULT_TRAINING_INSTANCE_TYPE
     max_nodes: int = 4
     """Largest multi-node job (and the CE's max vCPUs = vCPUs x max_nodes). The account's Running
     On-Demand Trn instances quota (vCPUs, per region) must cover `training_vcpus_needed`."""
-    single_node_instance_type: str = contract.DEFAULT_SINGLE_NODE_INSTANCE_TYPE
+    single_node_instance_type: str = pipeline_contract.DEFAULT_SINGLE_NODE_INSTANCE_TYPE
     single_node_max_instances: int = 4
     neuron_ami_ids: Mapping[str, str] = field(default_factory=dict)
     """Region -> pinned ECS-optimized AL2023 Neuron AMI id. The stages read it from the committed
@@ -215,9 +209,9 @@ class ComputeConfig:
     Neuron driver is too old for the training image (the ECS Neuron AMIs built from 20251015 to
     ~2026-01 pinned driver 2.21) shuts itself down before the ECS agent starts, so no job ever
     runs on it -- jobs wait RUNNABLE instead, and the queue's time limit cancels and reports them."""
-    min_neuron_driver_version: str = contract.NEURON_SDK.driver
+    min_neuron_driver_version: str = pipeline_contract.NEURON_SDK.driver
     """User data refuses hosts with an older aws-neuronx-dkms: the driver of the Neuron SDK release
-    the training image comes from (contract.NEURON_SDK; ECS AMIs 20251015..~2026-01 pinned 2.21)."""
+    the training image comes from (pipeline_contract.NEURON_SDK; ECS AMIs 20251015..~2026-01 pinned 2.21)."""
     root_volume_gib: int = 200
     """gp3 root volume; the Neuron DLC alone is tens of GB and the ECS AMI default is 30 GB."""
     root_volume_throughput_mibps: int = 1000
@@ -258,13 +252,13 @@ class ComputeConfig:
     def _check_instances_and_ami(self) -> InstanceSpec:
         """Instance types, node counts, AMI pins, driver version, root volume size; returns the
         training instance's spec."""
-        spec = contract.instance_spec(self.training_instance_type, "ComputeConfig.training_instance_type")
+        spec = pipeline_contract.instance_spec(self.training_instance_type, "ComputeConfig.training_instance_type")
         if spec.efa_interfaces < 1:
             raise ValueError(
                 f"ComputeConfig.training_instance_type={self.training_instance_type!r} has no EFA; multi-node "
                 "training needs trn1.32xlarge or trn1n.32xlarge (use it as single_node_instance_type instead)."
             )
-        contract.instance_spec(self.single_node_instance_type, "ComputeConfig.single_node_instance_type")
+        pipeline_contract.instance_spec(self.single_node_instance_type, "ComputeConfig.single_node_instance_type")
         if self.max_nodes < 1:
             raise ValueError(f"ComputeConfig.max_nodes={self.max_nodes}: must be >= 1 (nodes per multi-node job).")
         if self.single_node_max_instances < 1:
@@ -291,7 +285,7 @@ class ComputeConfig:
         if len(set(ids)) != len(ids):
             raise ValueError(f"ComputeConfig.shares: duplicate share identifiers {ids}.")
         for s in self.shares:
-            if not contract.SHARE_IDENTIFIER_RE.match(s.identifier):
+            if not pipeline_contract.SHARE_IDENTIFIER_RE.match(s.identifier):
                 raise ValueError(f"ComputeConfig.shares: {s.identifier!r} must be 1-255 letters, digits or '_'.")
             if not 0.0001 <= s.weight <= 999.9999:
                 raise ValueError(f"ComputeConfig.shares: weight of {s.identifier!r} must be in 0.0001..999.9999.")
@@ -337,9 +331,9 @@ class ComputeConfig:
                     f"ComputeConfig.{name}={gib}: use 1..{inst.memory_gib // 2} GiB (half of {inst.name}'s "
                     f"{inst.memory_gib} GiB); /dev/shm counts against the container's memory."
                 )
-        if self.log_retention_days not in LOG_RETENTION_DAYS:
+        if self.log_retention_days not in pipeline_contract.LOG_RETENTION_DAYS:
             raise ValueError(
-                f"ComputeConfig.log_retention_days={self.log_retention_days}: use a CloudWatch Logs value {LOG_RETENTION_DAYS}."
+                f"ComputeConfig.log_retention_days={self.log_retention_days}: use a CloudWatch Logs value {pipeline_contract.LOG_RETENTION_DAYS}."
             )
 
     @property
@@ -394,7 +388,7 @@ def load_pinned_amis(path: Path = PINNED_AMIS_FILE) -> Mapping[str, str]:
                                                   for k in ("image_id", "image_name", "pinned_at")):
             raise ValueError(f"{path}: entry {region!r} needs non-empty image_id, image_name and pinned_at; "
                              f"rerun scripts/infra_pin_ami.sh {region}.")
-        problem = contract.ami_driver_problem(entry["image_name"])
+        problem = pipeline_contract.ami_driver_problem(entry["image_name"])
         if problem:
             raise ValueError(f"{path}: {region}: {problem}: rerun scripts/infra_pin_ami.sh {region}.")
         pins[region] = entry["image_id"]
@@ -476,7 +470,7 @@ class StageConfig:
     """Default region; app.py overrides it from the CDK environment (CDK_DEFAULT_REGION) when set."""
     account: str | None = None
     """None = environment-agnostic account (app.py fills it from CDK_DEFAULT_ACCOUNT when set)."""
-    project: str = "TrnEmbed"
+    project: str = pipeline_contract.DEFAULT_PROJECT
     network: NetworkConfig = field(default_factory=NetworkConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     compute: ComputeConfig = field(default_factory=ComputeConfig)

@@ -13,11 +13,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from pipeline_steps import contract
+import pipeline_contract
+from pipeline_contract.execution_input import ARRAY_SIZE, PRIORITY
 
-# Batch SubmitJob: schedulingPriorityOverride must be 0..9999 (higher = scheduled first).
-# https://docs.aws.amazon.com/batch/latest/APIReference/API_SubmitJob.html
-_MAX_PRIORITY = 9999
 # Step Functions retriers: MaxDelaySeconds must be < 31622400 (one year); keep it sane instead.
 _MAX_RETRY_DELAY_SECONDS = 3600
 _EMAIL_RE = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$")
@@ -101,8 +99,10 @@ class PipelineConfig:
     trigger_enabled: bool = True
     """Start a run when `incoming/<dataset>/<version>/_SUCCESS` is created in the data bucket."""
 
-    incoming_prefix: str = contract.INCOMING_PREFIX
-    success_marker: str = "_SUCCESS"
+    incoming_prefix: str = pipeline_contract.INCOMING_PREFIX
+    success_marker: str = pipeline_contract.SUCCESS_MARKER
+    """The object an upload ends with; another name than the default also goes to the jobs
+    (PIPELINE_SUCCESS_MARKER), so prepare waits for the one the trigger started the run on."""
 
     # -- Notifications and logs ----------------------------------------------------------
     notification_email: str | None = None
@@ -141,23 +141,21 @@ class PipelineConfig:
             raise ValueError(f"PipelineConfig.canary_num_nodes={self.canary_num_nodes}: must be >= 1.")
         for name in ("production_share", "experiments_share"):
             value = getattr(self, name)
-            if not contract.SHARE_IDENTIFIER_RE.match(value):
+            if not pipeline_contract.SHARE_IDENTIFIER_RE.match(value):
                 raise ValueError(
                     f"PipelineConfig.{name}={value!r}: a Batch share identifier is 1-255 letters, "
                     "digits or underscores; use one of the compute stack's share_identifiers."
                 )
-        if not 0 <= self.default_priority <= _MAX_PRIORITY:
+        if self.default_priority not in PRIORITY:
+            raise ValueError(f"PipelineConfig.default_priority={self.default_priority}: Batch accepts {PRIORITY}.")
+        if self.embed_array_size not in ARRAY_SIZE:
             raise ValueError(
-                f"PipelineConfig.default_priority={self.default_priority}: Batch accepts 0..{_MAX_PRIORITY}."
-            )
-        if not 2 <= self.embed_array_size <= 10_000:
-            raise ValueError(
-                f"PipelineConfig.embed_array_size={self.embed_array_size}: a Batch array job has 2..10000 "
+                f"PipelineConfig.embed_array_size={self.embed_array_size}: a Batch array job has {ARRAY_SIZE} "
                 "children; for a single shard raise it to 2 or embed in the validate step."
             )
-        if not 2 <= self.prepare_array_size <= 10_000:
+        if self.prepare_array_size not in ARRAY_SIZE:
             raise ValueError(
-                f"PipelineConfig.prepare_array_size={self.prepare_array_size}: a Batch array job has 2..10000 "
+                f"PipelineConfig.prepare_array_size={self.prepare_array_size}: a Batch array job has {ARRAY_SIZE} "
                 "children (https://docs.aws.amazon.com/batch/latest/userguide/array_jobs.html)."
             )
 
@@ -216,10 +214,10 @@ class PipelineConfig:
                 f"PipelineConfig.notification_email={self.notification_email!r}: not an e-mail address; "
                 "use None for no subscription."
             )
-        if self.log_retention_days not in contract.LOG_RETENTION_DAYS:
+        if self.log_retention_days not in pipeline_contract.LOG_RETENTION_DAYS:
             raise ValueError(
                 f"PipelineConfig.log_retention_days={self.log_retention_days}: use a CloudWatch Logs value "
-                f"{contract.LOG_RETENTION_DAYS}."
+                f"{pipeline_contract.LOG_RETENTION_DAYS}."
             )
         tracking = self.mlflow_tracking
         if tracking is not None and tracking != MLFLOW_MANAGED and (

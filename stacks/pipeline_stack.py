@@ -20,6 +20,10 @@ from aws_cdk import aws_s3 as s3
 from cdk_nag import NagSuppressions
 from constructs import Construct
 
+from pipeline_contract import (
+    MLFLOW_TRACKING_SERVER_OUTPUT, SINGLE_NODE_INSTANCE_TYPE_OUTPUT, SINGLE_NODE_QUEUE, STATE_MACHINE_OUTPUT,
+    TRAINING_INSTANCE_TYPE_OUTPUT, TRAINING_QUEUE,
+)
 from stacks.constructs.alert_topic import AlertTopic
 from stacks.constructs.canary import Canary
 from stacks.constructs.failure_diagnosis import FailureDiagnosis
@@ -82,14 +86,14 @@ class PipelineStack(Stack):
         self.pipeline, self.trigger = first.pipeline, first.trigger
         self.watchdog = StallWatchdog(self, "StallWatchdog", config=config, stage=stage,
                                       train_job_definitions=[t.refs["train"] for t in teams],
-                                      training_queue=queues["training"], ownership=self.ownership, topic=alerts.topic,
+                                      training_queue=queues[TRAINING_QUEUE], ownership=self.ownership, topic=alerts.topic,
                                       key=alerts.key)
         job_events = JobEvents(self, "JobEvents", queues=list(queues.values()), topic=alerts.topic, key=alerts.key)
         self.queue_wait = QueueWaitLimit(self, "QueueWait", queues=list(queues.values()), queue_wait=queue_wait,
                                          ownership=self.ownership, key=alerts.key)
         self.canary = None
         if config.canary_interval_minutes is not None:
-            self.canary = Canary(self, "Canary", config=config, queue=queues["single-node"],
+            self.canary = Canary(self, "Canary", config=config, queue=queues[SINGLE_NODE_QUEUE],
                                  job_definition=canary_job_definition, topic=alerts.topic, key=alerts.key,
                                  ownership=self.ownership)
         self._monitoring(stage, alerts, job_events)
@@ -149,7 +153,7 @@ class PipelineStack(Stack):
                  mlflow_tracking_server_arn: str | None) -> None:
         # trainium-runs finds a team's pipeline by `<Team>StateMachineArn` (pipeline_ops/cli.py).
         for p in self.pipelines.values():
-            CfnOutput(self, f"{p.prefix}StateMachineArn", value=p.pipeline.state_machine.state_machine_arn)
+            CfnOutput(self, f"{p.prefix}{STATE_MACHINE_OUTPUT}", value=p.pipeline.state_machine.state_machine_arn)
         for name, role in self.team_roles.items():
             CfnOutput(self, f"{name.capitalize()}RoleArn", value=role.role_arn,
                       description=f"Team {name}'s principals assume this role (trainium-runs --team {name})")
@@ -157,14 +161,14 @@ class PipelineStack(Stack):
             CfnOutput(self, "AdminRoleArn", value=self.admin_role.role_arn,
                       description="The platform admin role: every team's runs, jobs and artifacts")
         CfnOutput(self, "TopicArn", value=self.topic.topic_arn)
-        CfnOutput(self, "TrainingQueueArn", value=queues["training"].job_queue_arn,
+        CfnOutput(self, "TrainingQueueArn", value=queues[TRAINING_QUEUE].job_queue_arn,
                   description="The fair-share training queue (production and experiments share identifiers)")
         CfnOutput(self, "DashboardName", value=self.monitoring.dashboard.dashboard_name)
         # trainium-runs prices each Batch job by these (pipeline_ops/cli.py Context.instance_types).
-        CfnOutput(self, "TrainingInstanceType", value=instance_types["training"])
-        CfnOutput(self, "SingleNodeInstanceType", value=instance_types["single-node"])
+        CfnOutput(self, TRAINING_INSTANCE_TYPE_OUTPUT, value=instance_types[TRAINING_QUEUE])
+        CfnOutput(self, SINGLE_NODE_INSTANCE_TYPE_OUTPUT, value=instance_types[SINGLE_NODE_QUEUE])
         if mlflow_tracking_server_arn is not None:
-            CfnOutput(self, "MlflowTrackingServerArn", value=mlflow_tracking_server_arn,
+            CfnOutput(self, MLFLOW_TRACKING_SERVER_OUTPUT, value=mlflow_tracking_server_arn,
                       description="MLFLOW_TRACKING_URI of the pipeline's jobs (SageMaker managed MLflow)")
 
     def _acknowledge(self) -> None:

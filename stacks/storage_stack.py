@@ -11,6 +11,7 @@ from aws_cdk import aws_kms as kms
 from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
+from pipeline_contract import ARTIFACTS_BUCKET_OUTPUT, DATA_BUCKET_OUTPUT, INCOMING_PREFIX
 from stacks.config import StageConfig
 from stacks.constructs.checkov import skip_checkov
 from stacks.constructs.fsx_lustre import LustreStorage
@@ -61,9 +62,10 @@ class StorageStack(Stack):
         self.file_system = self.lustre.file_system
 
         # What operators and trainium-runs need: where to upload data, where runs land.
-        CfnOutput(self, "DataBucketName", value=self.data_bucket.bucket_name,
-                  description="Upload datasets to s3://<this>/incoming/<dataset>/<version>/ (then _SUCCESS)")
-        CfnOutput(self, "ArtifactsBucketName", value=self.artifacts_bucket.bucket_name,
+        CfnOutput(self, DATA_BUCKET_OUTPUT, value=self.data_bucket.bucket_name,
+                  description=f"Upload datasets to s3://<this>/{INCOMING_PREFIX}<dataset>/<version>/ (then "
+                              f"{config.pipeline.success_marker})")
+        CfnOutput(self, ARTIFACTS_BUCKET_OUTPUT, value=self.artifacts_bucket.bucket_name,
                   description="Runs (s3://<this>/runs/<run id>/) and the published model (models/current.json)")
 
     def _encryption_key(self, config: StageConfig) -> kms.Key:

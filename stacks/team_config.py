@@ -1,6 +1,6 @@
 """Teams sharing one stage: who they are, their fair share, their FSx quota and who acts for them.
 
-A stage with no teams has one default team with the layout it always had (pipeline_steps.contract
+A stage with no teams has one default team with the layout it always had (pipeline_contract
 TeamPaths(None)). A stage with teams runs one pipeline per team, each in its own prefixes and FSx
 directory (docs/operations.md, "Teams"). `check_teams` gathers every problem of the team list into
 one fix-it ValueError, so a reviewer fixes the table once.
@@ -13,7 +13,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipeline_steps.contract import TeamPaths
+from pipeline_contract import TeamPaths
 
 TEAM_NAME_RE = re.compile(r"^[a-z][a-z0-9]{1,23}$")
 # An IAM role ARN (https://docs.aws.amazon.com/IAM/latest/UserGuide/reference_identifiers.html#identifiers-arns).

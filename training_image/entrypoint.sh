@@ -20,7 +20,7 @@
 # No sysctl: the container is unprivileged.
 #
 # Exit-code contract (AWS Batch retries exit code 75 through the job definitions' evaluateOnExit):
-# the container exits with the step's own exit code (pipeline_steps/contract.py ExitCode).
+# the container exits with the step's own exit code (pipeline_contract ExitCode).
 # - Plain python steps are exec'd: their code is the container's.
 # - torchrun exits 1 whenever a worker fails, whatever the worker's code. So for `sanity` and
 #   `train` this script exports PIPELINE_EXIT_CODE_FILE (a fresh node-local path), where the first
@@ -33,7 +33,7 @@
 #   exits as above.
 set -euo pipefail
 
-readonly EX_CONFIG=78  # ExitCode.BAD_CONFIG in pipeline_steps/contract.py (a test pins the copy)
+readonly EX_CONFIG=78  # ExitCode.BAD_CONFIG in pipeline_contract (a test pins the copy)
 readonly MASTER_PORT=29500
 
 die() {

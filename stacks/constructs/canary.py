@@ -18,7 +18,7 @@ from aws_cdk import aws_scheduler_targets as scheduler_targets
 from aws_cdk import aws_sns as sns
 from constructs import Construct
 
-from pipeline_steps.contract import CANARY_JOB
+from pipeline_contract import CANARY
 from stacks.constructs.job_definitions import JobDefinitionRef
 from stacks.constructs.job_ownership import JobOwnership
 from stacks.constructs.log_delivery import encrypted_log_group, log_events_to
@@ -38,7 +38,7 @@ class Canary(Construct):
                              "do not create the construct.")
         minutes = config.canary_interval_minutes
         submit = {
-            "JobName": CANARY_JOB,
+            "JobName": CANARY.name,
             "JobQueue": queue.job_queue_arn,
             "JobDefinition": job_definition.name,
             "SchedulingPriorityOverride": config.default_priority,

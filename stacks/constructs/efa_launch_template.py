@@ -11,8 +11,7 @@ from dataclasses import dataclass
 from aws_cdk import aws_ec2 as ec2
 from constructs import Construct
 
-from pipeline_steps.contract import FSX_MOUNT_POINT
-from stacks.config import InstanceSpec
+from pipeline_contract import FSX_MOUNT_POINT, InstanceSpec
 
 _USER_DATA = r"""set -euo pipefail
 # Every path is under $ROOT: empty on a host. tests/infra/test_node_boot.py runs this script, taken

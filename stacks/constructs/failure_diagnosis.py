@@ -20,7 +20,7 @@ from aws_cdk import aws_lambda as lambda_
 from aws_cdk import aws_logs as logs
 from constructs import Construct
 
-from pipeline_steps.contract import HEARTBEAT_NAMESPACE
+from pipeline_contract import HEARTBEAT_NAMESPACE
 from pipeline_steps.diagnosis.handler import CLASS_DIMENSION, METRIC_NAME, STAGE_DIMENSION
 from stacks.constructs.checkov import skip_checkov
 from stacks.constructs.log_delivery import encrypted_log_group

@@ -17,7 +17,7 @@ from aws_cdk import aws_kms as kms
 from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
-from pipeline_steps.contract import FSX_DATA, FSX_MOUNT_POINT, FSX_RUNS, RUNS_PREFIX
+from pipeline_contract import FSX_DATA, FSX_MOUNT_POINT, FSX_RUNS, RUNS_PREFIX
 from stacks.config import StorageConfig
 
 _ALL_EVENTS = ["NEW", "CHANGED", "DELETED"]

@@ -12,9 +12,12 @@ from aws_cdk import aws_batch as batch
 from aws_cdk import aws_s3 as s3
 from aws_cdk import aws_stepfunctions as sfn
 
-from pipeline_steps.contract import FSX_DATA, TeamPaths
+from pipeline_contract import FSX_DATA, TeamPaths
+from pipeline_contract.execution_input import (
+    ARRAY_SIZE, DATA_URI, DATASET, EMBED_SHARDS, INIT_FROM, INTEGER_FIELDS, NUM_NODES, PREPARE_SHARDS, PRIORITY,
+    PRIORITY_FIELD, SHARE, VERSION, Bounds,
+)
 from stacks.constructs.pipeline_states import PipelineStates
-from stacks.constructs.prepare_states import MAX_ARRAY_SIZE, MIN_ARRAY_SIZE, SHARDS_FIELD, SHARDS_FIX
 
 
 def policy_shares(queue: batch.IJobQueue) -> tuple[str, ...]:
@@ -43,12 +46,13 @@ def _plain_name(path: str) -> sfn.Condition:
         sfn.Condition.not_(sfn.Condition.string_matches(path, "* *")))
 
 
-def _integer_in(path: str, text_path: str, low: int, high: int) -> sfn.Condition:
+def _integer_in(field: str, bounds: Bounds) -> sfn.Condition:
     # A comparison on a value of the wrong type is false, not an error, so IsNumeric guards the
-    # range; the JSON text of an integer has no '.' or exponent.
+    # range; the JSON text of an integer ($.checks, PrepareInputChecks) has no '.' or exponent.
+    path, text_path = f"$.run.{field}", f"$.checks.{field}"
     return sfn.Condition.and_(
-        sfn.Condition.is_numeric(path),
-        sfn.Condition.number_greater_than_equals(path, low), sfn.Condition.number_less_than_equals(path, high),
+        sfn.Condition.is_numeric(path), sfn.Condition.number_greater_than_equals(path, bounds.low),
+        sfn.Condition.number_less_than_equals(path, bounds.high),
         *(sfn.Condition.not_(sfn.Condition.string_matches(text_path, f"*{c}*")) for c in ".eE"))
 
 
@@ -72,28 +76,29 @@ def input_rules(shares: Sequence[str], max_nodes: int, paths: TeamPaths) -> list
     run = "$.run"
     data_root = paths.fsx_incoming if paths.team else FSX_DATA
     return [
-        InputRule("dataset", _plain_name(f"{run}.dataset"),
+        InputRule(DATASET, _plain_name(f"{run}.{DATASET}"),
                   "dataset: a non-empty name without slashes or spaces, e.g. catalog"),
-        InputRule("version", _plain_name(f"{run}.version"),
+        InputRule(VERSION, _plain_name(f"{run}.{VERSION}"),
                   "version: the data version, e.g. 2026-01-05 (versions must sort as strings: "
                   "a run never replaces a model of a later version)"),
-        InputRule("data_uri", _under(f"{run}.data_uri", data_root),
+        InputRule(DATA_URI, _under(f"{run}.{DATA_URI}", data_root),
                   f"data_uri: the upload directory {paths.fsx_incoming}/<dataset>/<version> "
                   f"(which is s3://<data bucket>/{paths.incoming_prefix}<dataset>/<version>/)"),
-        InputRule("init_from", sfn.Condition.or_(
-            sfn.Condition.is_not_present(f"{run}.init_from"),
-            sfn.Condition.string_equals(f"{run}.init_from", ""),
-            _under(f"{run}.init_from", paths.fsx_runs)),
+        InputRule(INIT_FROM, sfn.Condition.or_(
+            sfn.Condition.is_not_present(f"{run}.{INIT_FROM}"),
+            sfn.Condition.string_equals(f"{run}.{INIT_FROM}", ""),
+            _under(f"{run}.{INIT_FROM}", paths.fsx_runs)),
             f"init_from: a run directory {paths.fsx_runs}/<run id>, or an empty string to train from scratch"),
-        InputRule("num_nodes", _integer_in(f"{run}.num_nodes", "$.checks.num_nodes", 1, max_nodes),
-                  f"num_nodes: an integer 1..{max_nodes} (the max nodes of the training compute environment)"),
-        InputRule("embed_shards", _integer_in(f"{run}.embed_shards", "$.checks.embed_shards", 2, 10_000),
-                  "embed_shards: an integer 2..10000 (the size of a Batch array job)"),
-        InputRule(SHARDS_FIELD, _integer_in(f"{run}.{SHARDS_FIELD}", f"$.checks.{SHARDS_FIELD}", MIN_ARRAY_SIZE,
-                                            MAX_ARRAY_SIZE), SHARDS_FIX),
-        InputRule("priority", _integer_in(f"{run}.priority", "$.checks.priority", 0, 9999),
-                  "priority: an integer 0..9999 (Batch schedulingPriorityOverride)"),
-        InputRule("share", sfn.Condition.or_(*(sfn.Condition.string_equals(f"{run}.share", s) for s in shares)),
+        InputRule(NUM_NODES, _integer_in(NUM_NODES, Bounds(1, max_nodes)),
+                  f"{NUM_NODES}: an integer 1..{max_nodes} (the max nodes of the training compute environment)"),
+        InputRule(EMBED_SHARDS, _integer_in(EMBED_SHARDS, ARRAY_SIZE),
+                  f"{EMBED_SHARDS}: an integer {ARRAY_SIZE} (the size of a Batch array job)"),
+        InputRule(PREPARE_SHARDS, _integer_in(PREPARE_SHARDS, ARRAY_SIZE),
+                  f"{PREPARE_SHARDS}: an integer {ARRAY_SIZE} (the size of the Batch array job that validates and "
+                  "tokenises the pairs)"),
+        InputRule(PRIORITY_FIELD, _integer_in(PRIORITY_FIELD, PRIORITY),
+                  f"{PRIORITY_FIELD}: an integer {PRIORITY} (Batch schedulingPriorityOverride)"),
+        InputRule(SHARE, sfn.Condition.or_(*(sfn.Condition.string_equals(f"{run}.{SHARE}", s) for s in shares)),
                   f"share: one of the fair-share identifiers of the training queue ({', '.join(shares)})"),
     ]
 
@@ -107,7 +112,7 @@ def input_checks(states: PipelineStates, rules: Sequence[InputRule], *, data_buc
         "Type": "Pass",
         # Integers are told from other numbers by their JSON text.
         "Parameters": {f"{name}.$": f"States.JsonToString($.run.{name})"
-                       for name in ("num_nodes", "embed_shards", SHARDS_FIELD, "priority")},
+                       for name in INTEGER_FIELDS},
         "ResultPath": "$.checks",
     })
     choices = [sfn.Choice(states.scope, f"Check_{rule.field}") for rule in rules]

@@ -1,8 +1,7 @@
-"""AWS Batch job definitions for the pipeline steps, generated from the instance table and the
-stage's TrainingConfig (docs/infrastructure.md): multi-node (sanity, compile, train) on the training
-instance type, single-node (prepare, validate, embed as an array job, export, canary) on the small one.
-Each command goes to the image entrypoint as `<step> --run-dir /fsx/runs/Ref::run_id ...`. Batch
-parameters cannot be optional, so an optional flag defaults to "" and the entrypoint drops it.
+"""AWS Batch job definitions, one per entry of the step table (pipeline_contract.BATCH_JOBS), from
+the instance table and the stage's TrainingConfig (docs/infrastructure.md): a multi-node step on the
+training instance type, every other one (single-node, array, the canary) on the small one. Each
+command goes to the image entrypoint as `<step> --run-dir /fsx/runs/Ref::run_id ...`.
 """
 
 from __future__ import annotations
@@ -21,16 +20,15 @@ from aws_cdk import aws_s3 as s3
 from cdk_nag import NagPackSuppression, NagSuppressions
 from constructs import Construct
 
-from pipeline_steps.contract import (
-    CANARY_JOB, EXPORT_DIR, FSX_CANARY, FSX_MOUNT_POINT, INSTANCE_TYPE_ENV, NPROC_PER_NODE_ENV, RUN_ID_PARAMETER,
-    ExitCode, run_path,
+from pipeline_contract import (
+    BATCH_JOBS, FSX_MOUNT_POINT, INSTANCE_TYPE_ENV, NPROC_PER_NODE_ENV, AttemptTimeout, ExitCode, InstanceSpec,
+    PipelineStep,
 )
-from stacks.config import InstanceSpec, TrainingConfig
+from stacks.config import TrainingConfig
 from stacks.constructs.secure_bucket import acknowledge_bucket_grants
 from stacks.team_config import TeamConfig
 
 RETRYABLE_EXIT_CODE = int(ExitCode.RETRYABLE)  # the only code Batch retries
-RUN_DIR = run_path(f"Ref::{RUN_ID_PARAMETER}")
 
 # EFA / Neuron collectives environment (AWS Neuron multi-node setup docs:
 # https://awsdocs-neuron.readthedocs-hosted.com/en/latest/frameworks/torch/torch-neuronx/setup-trn1-multi-node-execution.html).
@@ -41,15 +39,6 @@ EFA_ENVIRONMENT: Mapping[str, str] = {
     "CCOM_SOCKET_IFNAME": "eth0",
     "MALLOC_ARENA_MAX": "64",
 }
-
-
-def training_arguments(training: TrainingConfig) -> list[str]:
-    """The `train` step's arguments: the one definition both the Compile and the Train job run.
-    Compile passes them through unchanged to `neuron_parallel_compile torchrun ... train` (only the
-    trial's run dir and step count are appended), so every flag that shapes a graph -- preset
-    (model and batch shape), precision, backend -- is the same in both by construction."""
-    arguments = ["--run-dir", RUN_DIR, "--preset", training.preset, "--backend", "xla", "--init-from", "Ref::init_from"]
-    return arguments + (["--bf16"] if training.bf16 else [])
 
 
 # How long the Neuron runtime lets one graph execution run before failing it (default 30 s). A
@@ -71,71 +60,6 @@ def training_environment(training: TrainingConfig, instance: InstanceSpec) -> di
     return {"NEURON_CC_FLAGS": training.compiler_flags(instance),
             "NEURON_RT_STOCHASTIC_ROUNDING_EN": "1" if training.bf16 else "0",
             "NEURON_RT_EXEC_TIMEOUT": str(NEURON_RT_EXEC_TIMEOUT_S)}
-
-
-def multi_node_steps(training: TrainingConfig) -> Mapping[str, tuple[list[str], dict[str, str]]]:
-    """Step -> (command, parameter defaults). "" = optional flag (dropped by the entrypoint)."""
-    arguments = training_arguments(training)
-    return {
-        "sanity": (["sanity", "--run-dir", RUN_DIR, "--fsx-path", FSX_MOUNT_POINT], {}),
-        "compile": (["compile", *arguments], {"init_from": ""}),
-        "train": (["train", *arguments, "--max-steps", "Ref::max_steps"], {"init_from": "", "max_steps": ""}),
-    }
-
-
-PREPARE_UPLOAD_TIMEOUT_S = 1800
-"""How long prepare waits for FSx for Lustre to import every file of an upload before it exits 75
-(retried by Batch): automatic import from S3 is asynchronous, so the `_SUCCESS` event can arrive
-before the upload is visible on /fsx
-(https://docs.aws.amazon.com/fsx/latest/LustreGuide/autoimport-data-repo-dra.html)."""
-
-
-def single_node_steps(training: TrainingConfig) -> Mapping[str, tuple[list[str], dict[str, str]]]:
-    """Step -> (command, parameter defaults). Prepare tokenizes for the stage's training preset
-    (vocabulary, length buckets): the same preset Compile and Train run. It runs as three jobs
-    (stacks/constructs/prepare_states.py): the plan reads the flags, the array children and the
-    finish read the plan; `shard_count` is the array size, passed like embed's."""
-    shard_count = ["--run-dir", RUN_DIR, "--shard-count", "Ref::shard_count"]
-    return {
-        **SINGLE_NODE_STEPS,
-        "prepare": (
-            ["prepare", "--phase", "plan", "--run-dir", RUN_DIR, "--data", "Ref::data_uri", "--preset", training.preset,
-             "--init-from", "Ref::init_from", "--upload-timeout", str(PREPARE_UPLOAD_TIMEOUT_S)],
-            {"init_from": ""},
-        ),
-        "prepare-shards": (["prepare", "--phase", "shard", *shard_count], {"shard_count": ""}),
-        "prepare-finish": (["prepare", "--phase", "finish", *shard_count], {"shard_count": ""}),
-    }
-
-
-SINGLE_NODE_STEPS: Mapping[str, tuple[list[str], dict[str, str]]] = {
-    "validate": (
-        ["validate", "--run-dir", RUN_DIR, "--previous-metrics", "Ref::previous_metrics",
-         "--gate-report-only", "--gate-s3-uri", "Ref::gate_s3_uri"],
-        {"previous_metrics": "", "gate_s3_uri": ""},
-    ),
-    # An array job: the shard index comes from AWS_BATCH_JOB_ARRAY_INDEX (Batch sets it on every
-    # child), the count from the `shard_count` parameter: Batch sets no AWS_BATCH_JOB_ARRAY_SIZE and
-    # rejects AWS_BATCH* environment overrides, so the state machine passes the array size as a
-    # parameter (the same value as ArrayProperties.Size). Default "": the flag is dropped, and an
-    # array child without a count fails with exit 78 instead of embedding the wrong slice.
-    "embed": (
-        ["embed", "--run-dir", RUN_DIR, "--checkpoint", "Ref::checkpoint", "--shard-count", "Ref::shard_count"],
-        {"checkpoint": "", "shard_count": ""},
-    ),
-    # The published model in the sentence-transformers format, uploaded by the step itself to
-    # export_s3_uri (files first, the _SUCCESS marker last) because the FSx auto-export to S3 is
-    # asynchronous: the pointer written after this job names an export that is complete in S3.
-    # --run-dir: the last Batch job of a run that passed the gate closes the run's MLflow run.
-    "export": (
-        ["export", "--run-dir", RUN_DIR, "--checkpoint", RUN_DIR, "--out", f"{RUN_DIR}/{EXPORT_DIR}",
-         "--s3-uri", "Ref::export_s3_uri"],
-        {"export_s3_uri": ""},
-    ),
-    # The canary: node-local sanity on the small instance type, outside the exported /fsx/runs.
-    CANARY_JOB: (["sanity", "--run-dir", f"{FSX_CANARY}/Ref::{RUN_ID_PARAMETER}", "--fsx-path", FSX_MOUNT_POINT],
-                 {RUN_ID_PARAMETER: "latest"}),
-}
 
 
 @dataclass(frozen=True)
@@ -173,11 +97,6 @@ class TeamJobs:
     team: TeamConfig | None
     refs: Mapping[str, JobDefinitionRef]
     log_group: logs.ILogGroup
-
-
-def construct_name(step: str) -> str:
-    """The construct id prefix of a step's job definition: "prepare-shards" -> "PrepareShards"."""
-    return step.title().replace("-", "")
 
 
 def device_list(spec: InstanceSpec) -> list[batch.Device]:
@@ -224,9 +143,9 @@ def retry_strategies() -> list[batch.RetryStrategy]:
 
 
 class JobDefinitions(Construct):
-    """Public attributes: job_definitions (dict step -> job definition; keys sanity, compile, train,
-    prepare, prepare-shards, prepare-finish, validate, embed, export, canary), refs (the same keys
-    -> JobDefinitionRef, named `<name_prefix>-<step>`), job_role, execution_role, log_group."""
+    """Public attributes: job_definitions (dict step name -> job definition, for every entry of
+    pipeline_contract.BATCH_JOBS: the pipeline's steps and the canary), refs (the same keys ->
+    JobDefinitionRef, named `<name_prefix>-<step>`), job_role, execution_role, log_group."""
 
     def __init__(
         self,
@@ -242,17 +161,15 @@ class JobDefinitions(Construct):
         shared_memory_gib: int,
         single_node_shared_memory_gib: int,
         retry_attempts: int,
-        train_timeout: Duration,
-        compile_timeout: Duration,
-        short_timeout: Duration,
+        timeouts: Mapping[AttemptTimeout, Duration],
         environment: Mapping[str, str],
         log_retention: logs.RetentionDays,
         log_key: kms.IKey,
         steps: Collection[str] | None = None,
     ) -> None:
-        """`steps`: the job definitions to create (default: all, the pipeline's and the canary)."""
+        """`steps`: the job definitions to create (default: all, the pipeline's and the canary);
+        `timeouts`: one attempt's bound per kind of step (PipelineStep.attempt_timeout)."""
         super().__init__(scope, construct_id)
-        self._steps = steps
         self.job_role = iam.Role(
             self, "JobRole", assumed_by=iam.ServicePrincipal("ecs-tasks.amazonaws.com"),
             description="Pipeline step containers: data read, artifacts and compile cache read/write",
@@ -263,17 +180,15 @@ class JobDefinitions(Construct):
         )
         self.log_group = logs.LogGroup(self, "JobLogs", retention=log_retention, encryption_key=log_key)
         self.log_group.grant_write(self.execution_role)
-        base_env = {"AWS_DEFAULT_REGION": Stack.of(self).region, **environment}
+        self._base_env = {"AWS_DEFAULT_REGION": Stack.of(self).region, **environment}
         self._name_prefix = name_prefix
-        self.job_definitions: dict[str, batch.IJobDefinition] = {}
-        self._multi_node_job_definitions(
-            image=image, training=training, training_config=training_config, default_num_nodes=default_num_nodes,
-            shared_memory_gib=shared_memory_gib, retry_attempts=retry_attempts, train_timeout=train_timeout,
-            compile_timeout=compile_timeout, short_timeout=short_timeout, base_env=base_env)
-        self._single_node_job_definitions(
-            image=image, single_node=single_node, training_config=training_config,
-            single_node_shared_memory_gib=single_node_shared_memory_gib, retry_attempts=retry_attempts,
-            short_timeout=short_timeout, base_env=base_env)
+        self._image, self._training, self._single_node = image, training, single_node
+        self._training_config, self._default_num_nodes = training_config, default_num_nodes
+        self._shared_memory_gib = {True: shared_memory_gib, False: single_node_shared_memory_gib}
+        self._retry_attempts, self._timeouts = retry_attempts, timeouts
+        self.job_definitions: dict[str, batch.IJobDefinition] = {
+            step.name: self._multi_node(step) if step.multi_node else self._single_node_job(step)
+            for step in BATCH_JOBS if steps is None or step.name in steps}
         self._acknowledge_image_pull()
         self.refs = {step: JobDefinitionRef(name=self._name(step), timeout=job.timeout, retry_attempts=job.retry_attempts)
                      for step, job in self.job_definitions.items()}
@@ -281,63 +196,53 @@ class JobDefinitions(Construct):
     def _name(self, step: str) -> str:
         return f"{self._name_prefix}-{step}"
 
-    def _selected(self, steps: Mapping[str, tuple[list[str], dict[str, str]]]
-                  ) -> Mapping[str, tuple[list[str], dict[str, str]]]:
-        return {k: v for k, v in steps.items() if self._steps is None or k in self._steps}
+    def _step_container(self, step: PipelineStep) -> batch.EcsEc2ContainerDefinition:
+        """The step's container: multi-node ones with the EFA and the graph-deciding environment."""
+        spec = self._training if step.multi_node else self._single_node
+        environment = {**self._base_env}
+        if step.multi_node:
+            environment.update(EFA_ENVIRONMENT)
+        environment.update(_node_env(spec))
+        if step.multi_node:
+            environment.update(training_environment(self._training_config, spec))
+        return self._container(f"{step.state}Container", image=self._image, spec=spec,
+                               command=step.job_command(self._training_config), environment=environment,
+                               shared_memory_gib=self._shared_memory_gib[step.multi_node])
 
-    def _multi_node_job_definitions(
-        self, *, image: ecs.ContainerImage, training: InstanceSpec, training_config: TrainingConfig,
-        default_num_nodes: int, shared_memory_gib: int, retry_attempts: int, train_timeout: Duration,
-        compile_timeout: Duration, short_timeout: Duration, base_env: Mapping[str, str],
-    ) -> None:
-        for step, (command, parameters) in self._selected(multi_node_steps(training_config)).items():
-            container = self._container(
-                f"{step.capitalize()}Container", image=image, spec=training, command=command,
-                environment={**base_env, **EFA_ENVIRONMENT, **_node_env(training),
-                             **training_environment(training_config, training)},
-                shared_memory_gib=shared_memory_gib,
-            )
-            job_definition = batch.MultiNodeJobDefinition(
-                self, f"{step.capitalize()}JobDefinition",
-                job_definition_name=self._name(step),
-                instance_type=ec2.InstanceType(training.name),
-                main_node=0,
-                containers=[batch.MultiNodeContainer(container=container, start_node=0, end_node=default_num_nodes - 1)],
-                parameters=parameters or None,
-                retry_attempts=retry_attempts,
-                retry_strategies=retry_strategies(),
-                timeout={"train": train_timeout, "compile": compile_timeout}.get(step, short_timeout),
-                propagate_tags=True,
-            )
-            cfn = job_definition.node.default_child
-            assert isinstance(cfn, batch.CfnJobDefinition)
-            # One open-ended node range ("0:"): the state machine sets NumNodes per submission
-            # (NodeOverrides) and every node runs the same container.
-            cfn.add_property_override("NodeProperties.NodeRangeProperties.0.TargetNodes", "0:")
-            cfn.add_property_override("NodeProperties.NumNodes", default_num_nodes)
-            self.job_definitions[step] = job_definition
+    def _multi_node(self, step: PipelineStep) -> batch.IJobDefinition:
+        nodes = self._default_num_nodes
+        job_definition = batch.MultiNodeJobDefinition(
+            self, f"{step.state}JobDefinition",
+            job_definition_name=self._name(step.name),
+            instance_type=ec2.InstanceType(self._training.name),
+            main_node=0,
+            containers=[batch.MultiNodeContainer(container=self._step_container(step), start_node=0, end_node=nodes - 1)],
+            parameters=dict(step.parameters) or None,
+            retry_attempts=self._retry_attempts,
+            retry_strategies=retry_strategies(),
+            timeout=self._timeouts[step.attempt_timeout],
+            propagate_tags=True,
+        )
+        cfn = job_definition.node.default_child
+        assert isinstance(cfn, batch.CfnJobDefinition)
+        # One open-ended node range ("0:"): the state machine sets NumNodes per submission
+        # (NodeOverrides) and every node runs the same container.
+        cfn.add_property_override("NodeProperties.NodeRangeProperties.0.TargetNodes", "0:")
+        cfn.add_property_override("NodeProperties.NumNodes", nodes)
+        return job_definition
 
-    def _single_node_job_definitions(
-        self, *, image: ecs.ContainerImage, single_node: InstanceSpec, training_config: TrainingConfig,
-        single_node_shared_memory_gib: int, retry_attempts: int, short_timeout: Duration,
-        base_env: Mapping[str, str],
-    ) -> None:
-        for step, (command, parameters) in self._selected(single_node_steps(training_config)).items():
-            container = self._container(
-                f"{construct_name(step)}Container", image=image, spec=single_node, command=command,
-                environment={**base_env, **_node_env(single_node)},
-                shared_memory_gib=single_node_shared_memory_gib,
-            )
-            self.job_definitions[step] = batch.EcsJobDefinition(
-                self, f"{construct_name(step)}JobDefinition",
-                job_definition_name=self._name(step),
-                container=container,
-                parameters=parameters or None,
-                retry_attempts=retry_attempts,
-                retry_strategies=retry_strategies(),
-                timeout=short_timeout,
-                propagate_tags=True,
-            )
+    def _single_node_job(self, step: PipelineStep) -> batch.IJobDefinition:
+        """A single-node job; an array step's too (the state machine makes the array at submission)."""
+        return batch.EcsJobDefinition(
+            self, f"{step.state}JobDefinition",
+            job_definition_name=self._name(step.name),
+            container=self._step_container(step),
+            parameters=dict(step.parameters) or None,
+            retry_attempts=self._retry_attempts,
+            retry_strategies=retry_strategies(),
+            timeout=self._timeouts[step.attempt_timeout],
+            propagate_tags=True,
+        )
 
     def _acknowledge_image_pull(self) -> None:
         NagSuppressions.add_resource_suppressions(

@@ -15,7 +15,7 @@ from aws_cdk import aws_sns as sns
 from aws_cdk import aws_stepfunctions as sfn
 from constructs import Construct
 
-from pipeline_steps.contract import (
+from pipeline_contract import (
     HEARTBEAT_LOSS_METRIC,
     HEARTBEAT_NAMESPACE,
     HEARTBEAT_RUN_DIMENSION,

@@ -8,7 +8,7 @@ from __future__ import annotations
 from aws_cdk import aws_s3 as s3
 from aws_cdk import aws_stepfunctions as sfn
 
-from pipeline_steps.contract import CHECKPOINTS_DIR, EMBEDDINGS_DIR, EXPORT_DIR, RUN_ID_PARAMETER, run_key, run_path
+from pipeline_contract import CHECKPOINTS_DIR, EMBEDDINGS_DIR, EXPORT_DIR, RUN_ID_PARAMETER, run_key, run_path
 from stacks.constructs.pipeline_states import PipelineStates
 
 EXPORT_PREFIX = run_key("{}", EXPORT_DIR) + "/"  # the run id goes in; written by the Export job (--s3-uri)

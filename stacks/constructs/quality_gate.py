@@ -9,7 +9,7 @@ from __future__ import annotations
 from aws_cdk import aws_s3 as s3
 from aws_cdk import aws_stepfunctions as sfn
 
-from pipeline_steps.contract import GATE_REPORT, RUN_ID_PARAMETER, VALIDATION_METRICS, run_key, run_path
+from pipeline_contract import GATE_REPORT, RUN_ID_PARAMETER, VALIDATION_METRICS, run_key, run_path
 from stacks.constructs.pipeline_states import PipelineStates
 
 

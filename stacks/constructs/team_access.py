@@ -20,7 +20,7 @@ from aws_cdk import aws_s3 as s3
 from aws_cdk import aws_stepfunctions as sfn
 from constructs import Construct
 
-from pipeline_steps.contract import INCOMING_PREFIX, MODELS_PREFIX, RUNS_PREFIX
+from pipeline_contract import INCOMING_PREFIX, MODELS_PREFIX, RUNS_PREFIX
 from stacks.constructs.job_ownership import JobOwnership
 from stacks.constructs.prefix_access import grant_prefixes
 from stacks.team_config import TeamConfig

@@ -1,7 +1,7 @@
 """The training image: training_image/Dockerfile built by `cdk deploy` as a DockerImageAsset.
 
-The build context is the repository root (the image installs the repo's pyproject.toml and
-pipeline_steps/), filtered to an allow-list so the asset hash depends only on what the image
+The build context is the repository root (the image installs the repo's pyproject.toml,
+pipeline_contract/ and pipeline_steps/), filtered to an allow-list so the asset hash depends only on what the image
 contains: cdk.out, .venv, node_modules, tests, caches and everything else are excluded.
 """
 
@@ -13,6 +13,8 @@ from aws_cdk import IgnoreMode
 from aws_cdk import aws_ecr_assets as ecr_assets
 from constructs import Construct
 
+from pipeline_contract import GIT_COMMIT_ENV
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # Docker-style patterns: exclude everything, then re-include what the Dockerfile COPYs.
@@ -20,6 +22,8 @@ BUILD_CONTEXT_EXCLUDE: tuple[str, ...] = (
     "*",
     "!pyproject.toml",
     "!README.md",
+    "!pipeline_contract",
+    "!pipeline_contract/**",
     "!pipeline_steps",
     "!pipeline_steps/**",
     "!training_image",
@@ -40,5 +44,5 @@ def training_image_asset(scope: Construct, construct_id: str, *, git_commit: str
         exclude=list(BUILD_CONTEXT_EXCLUDE),
         ignore_mode=IgnoreMode.DOCKER,
         display_name="training-image",
-        build_args={"GIT_COMMIT": git_commit},
+        build_args={GIT_COMMIT_ENV: git_commit},
     )

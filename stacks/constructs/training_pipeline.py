@@ -19,14 +19,15 @@ from aws_cdk import aws_sns as sns
 from aws_cdk import aws_stepfunctions as sfn
 from constructs import Construct
 
-from pipeline_steps.contract import (
-    GATE_REPORT, HEARTBEAT_NAMESPACE, PIPELINE_STEPS, RUN_ID_PARAMETER, PipelineStep, TeamPaths, run_key,
+from pipeline_contract import (
+    GATE_REPORT, HEARTBEAT_NAMESPACE, PIPELINE_STEPS, RUN_ID_PARAMETER, SINGLE_NODE_QUEUE, TRAINING_QUEUE, PipelineStep,
+    TeamPaths, execution_input, run_key,
 )
 from stacks.constructs.input_checks import input_checks, input_rules, policy_shares
 from stacks.constructs.job_definitions import JobDefinitionRef
 from stacks.constructs.job_ownership import JobOwnership
 from stacks.constructs.pipeline_states import PipelineStates
-from stacks.constructs.prepare_states import SHARDS_FIELD, array_submit, prepare_submit
+from stacks.constructs.array_jobs import array_fields
 from stacks.constructs.publish import export_uri, publish
 from stacks.constructs.quality_gate import gate, production_baseline
 from stacks.constructs.retention import retention_days
@@ -53,7 +54,7 @@ def _has_fair_share(queue: batch.IJobQueue) -> bool:
 
 def _check_wiring(config: PipelineConfig, *, queues: Mapping[str, batch.IJobQueue],
                   job_definitions: Mapping[str, JobDefinitionRef], max_nodes: int) -> None:
-    for name in ("training", "single-node"):
+    for name in (TRAINING_QUEUE, SINGLE_NODE_QUEUE):
         if name not in queues:
             raise ValueError(f"TrainingPipeline: queues has no {name!r} queue (got {sorted(queues)}).")
     for step in PIPELINE_STEPS:
@@ -99,7 +100,7 @@ class TrainingPipeline(Construct):
         self._cfg = config
         self._team = team
         self._paths = team.paths if team else TeamPaths()
-        self._shares = (team.share_identifier,) if team else policy_shares(queues["training"])
+        self._shares = (team.share_identifier,) if team else policy_shares(queues[TRAINING_QUEUE])
         self.gate_key_pattern = f"{self._paths.runs_prefix}*/{GATE_REPORT}"
         self._ownership = ownership
         self._queues = queues
@@ -139,17 +140,18 @@ class TrainingPipeline(Construct):
     def _chain(self) -> sfn.IChainable:
         """Builds every state and returns the first one (InputShape)."""
         states = self._states
-        batch_states = {step.state: self._submit(step) for step in PIPELINE_STEPS}
+        first, last = PIPELINE_STEPS[0], PIPELINE_STEPS[-1]
+        batch_states = {step.name: self._submit(step) for step in PIPELINE_STEPS}
         start, configured = self._configuration()
         checks = input_rules(self._shares, self._max_nodes, self._paths)
         configured.next(input_checks(states, checks, data_bucket=self._data_bucket, paths=self._paths,
                                      then=production_baseline(states, self._bucket, self._paths.current_model_key,
-                                                              then=batch_states["Prepare"])))
+                                                              then=batch_states[first.name])))
         for earlier, later in zip(PIPELINE_STEPS, PIPELINE_STEPS[1:]):
-            if later.state != "Embed":
-                batch_states[earlier.state].next(batch_states[later.state])
-        batch_states["Validate"].next(gate(states, self._bucket, passed=batch_states["Embed"]))
-        batch_states["Export"].next(publish(states, self._bucket, self._paths.current_model_key))
+            following = batch_states[later.name]
+            batch_states[earlier.name].next(gate(states, self._bucket, passed=following) if later.after_gate
+                                            else following)
+        batch_states[last.name].next(publish(states, self._bucket, self._paths.current_model_key))
         return start
 
     def _count_undelivered(self) -> cw.Metric:
@@ -207,15 +209,15 @@ class TrainingPipeline(Construct):
     def _configuration(self) -> tuple[sfn.IChainable, sfn.CustomState]:
         cfg = self._cfg
         defaults = sfn.Pass(self, "Defaults", result_path="$.defaults", result=sfn.Result.from_object({
-            "dataset": "manual",
-            "version": "",
-            "data_uri": "",
-            "previous_metrics": "",
-            "num_nodes": cfg.default_num_nodes,
-            "share": self._shares[0] if self._team else cfg.production_share,
-            "priority": cfg.default_priority,
-            "embed_shards": cfg.embed_array_size,
-            SHARDS_FIELD: cfg.prepare_array_size,
+            execution_input.DATASET: "manual",
+            execution_input.VERSION: "",
+            execution_input.DATA_URI: "",
+            execution_input.PREVIOUS_METRICS: "",
+            execution_input.NUM_NODES: cfg.default_num_nodes,
+            execution_input.SHARE: self._shares[0] if self._team else cfg.production_share,
+            execution_input.PRIORITY_FIELD: cfg.default_priority,
+            execution_input.EMBED_SHARDS: cfg.embed_array_size,
+            execution_input.PREPARE_SHARDS: cfg.prepare_array_size,
         }))
         apply_defaults = self._states.raw("ApplyDefaults", {
             "Type": "Pass",
@@ -237,27 +239,22 @@ class TrainingPipeline(Construct):
         return f"States.Format('{self._paths.run_id('{}')}', {name})" if self._team else name
 
     def _step_fields(self, step: PipelineStep) -> dict:
-        """What one step adds to the SubmitJob request all steps share."""
-        if step.state == "Validate":
-            # The validate job definition runs with --gate-report-only (exit 0 on a failed gate:
-            # the decision is data for the Choice) and uploads gate.json to gate_s3_uri itself,
-            # because the FSx auto-export to S3 is asynchronous.
-            return {"Parameters": {
-                "gate_s3_uri.$":
-                    f"States.Format('s3://{self._bucket.bucket_name}/{run_key('{}', GATE_REPORT)}', $.run_id)",
-                "previous_metrics.$": "$.run.previous_metrics",
-            }}
-        if step.state == "Embed":
-            return array_submit("$.run.embed_shards")
-        if step.state == "Export":
-            # The step uploads the export itself (files, then the _SUCCESS marker), so the pointer
-            # written after it names a complete S3 copy; FSx auto-export would arrive later.
-            return {"Parameters": {"export_s3_uri.$": export_uri(self._bucket)}}
-        return prepare_submit(step.state)
+        """What one step adds to the SubmitJob request all steps share: its array fields and the
+        parameters it takes per run (PipelineStep.run_parameters)."""
+        per_run = {
+            # validate and export upload their results themselves (the gate report the Choice reads,
+            # the export the pointer names) because the FSx auto-export to S3 is asynchronous.
+            "gate_s3_uri": f"States.Format('s3://{self._bucket.bucket_name}/{run_key('{}', GATE_REPORT)}', $.run_id)",
+            execution_input.PREVIOUS_METRICS: f"$.run.{execution_input.PREVIOUS_METRICS}",
+            "export_s3_uri": export_uri(self._bucket),
+        }
+        fields = array_fields(step)
+        parameters = {**fields.pop("Parameters", {}), **{f"{name}.$": per_run[name] for name in step.run_parameters}}
+        return {"Parameters": parameters, **fields} if parameters else fields
 
     def _submit(self, step: PipelineStep) -> sfn.CustomState:
         cfg = self._cfg
-        queue = self._queues["training"] if step.multi_node else self._queues["single-node"]
+        queue = self._queues[step.queue]
         params: dict = {
             "JobName": step.name,
             # By name: the latest ACTIVE revision (JobDefinitionRef says why).

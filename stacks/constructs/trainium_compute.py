@@ -15,13 +15,14 @@ from aws_cdk import aws_iam as iam
 from cdk_nag import NagPackSuppression, NagSuppressions
 from constructs import Construct
 
-from stacks.config import ComputeConfig, InstanceSpec, NeuronAmi, Share
+from pipeline_contract import SINGLE_NODE_QUEUE, TRAINING_QUEUE, InstanceSpec
+from stacks.config import ComputeConfig, NeuronAmi, Share
 from stacks.constructs.efa_launch_template import EfaLaunchTemplate, ProjectQuota
 
 # Queue name -> its compute environment's key: one fair-share queue each, so production and
 # experiment runs share the training queue and the shares' weights decide between them
 # (docs/infrastructure.md, "Fair share that decides").
-QUEUES: dict[str, str] = {"training": "training", "single-node": "single-node"}
+QUEUES: dict[str, str] = {TRAINING_QUEUE: "training", SINGLE_NODE_QUEUE: "single-node"}
 
 
 UNPINNED_AMI_WARNING_ID = "trnembed:unpinnedNeuronAmi"
@@ -81,8 +82,8 @@ class TrainiumCompute(Construct):
         training_hours = max(config.train_attempt_timeout_hours, config.compile_attempt_timeout_hours,
                              config.short_attempt_timeout_hours)
         for key, spec, max_instances, placement, longest_job in (
-            ("training", config.training, config.max_nodes, placement_group, Duration.hours(training_hours)),
-            ("single-node", config.single_node, config.single_node_max_instances, None,
+            (TRAINING_QUEUE, config.training, config.max_nodes, placement_group, Duration.hours(training_hours)),
+            (SINGLE_NODE_QUEUE, config.single_node, config.single_node_max_instances, None,
              Duration.hours(config.short_attempt_timeout_hours)),
         ):
             self._compute_environment(

@@ -16,7 +16,7 @@ from constructs import Construct
 
 from aws_cdk import Duration
 
-from pipeline_steps.contract import FSX_DATA
+from pipeline_contract import FSX_DATA
 from stacks.constructs.log_delivery import encrypted_log_group, express_state_machine
 from stacks.constructs.service_principals import events_role
 from stacks.pipeline_config import PipelineConfig

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline_steps.contract import run_path
+from pipeline_contract import run_path
 from pipeline_steps.demo_data import write_demo
 
 from tests.e2e.local_batch import clean

@@ -10,12 +10,12 @@ import re
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline_steps.contract import (
+from pipeline_contract import (
     CHECKPOINTS_DIR, COMPILE_REPORT, EMBEDDINGS_DIR, EMBEDDINGS_MANIFEST, GATE_REPORT, PREPARE_REPORT, PREPARED_DIR,
     TRAIN_SUMMARY, VALIDATION_METRICS, run_key, run_path,
 )
 from pipeline_steps.checkpoint import load
-from stacks.constructs.job_definitions import construct_name
+from pipeline_contract import batch_job
 from tests.e2e.conftest import DATASET, KILLED_NODE
 from tests.e2e.local_batch import JobDefinitionSpec, local_path, substitute
 from tests.e2e.stage import INFRA_TESTS
@@ -235,7 +235,7 @@ def test_every_production_flag_and_variable_ran_unsubstituted_in_some_scenario(
     scenario, or substitutions.py must say why it cannot (an entry that never runs here)."""
     assert canary_run.succeeded, canary_run.attempts[-1].logs[0].read_text()[-3000:]
     ran = ran_unsubstituted(e2e_world)
-    steps = {rf"Jobs{construct_name(name)}JobDefinition[0-9A-F]{{8}}": name for name in definitions(e2e_world)}
+    steps = {rf"Jobs{batch_job(name).state}JobDefinition[0-9A-F]{{8}}": name for name in definitions(e2e_world)}
     missing = {}
     for logical_id, (command, names) in production_job_definitions().items():
         (step,) = [name for pattern, name in steps.items() if re.fullmatch(pattern, logical_id)]

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from pipeline_steps.contract import CHECKPOINTS_DIR, run_path
+from pipeline_contract import CHECKPOINTS_DIR, run_path
 from stacks.team_config import MIN_QUOTA_GIB
 from tests.e2e.conftest import DATASET, PRESET
 from tests.e2e.stage import synthesize

@@ -24,7 +24,7 @@ import boto3
 from moto import mock_aws
 from moto.server import ThreadedMotoServer
 
-from pipeline_steps.contract import CANARY_JOB, FSX_INCOMING, FSX_MOUNT_POINT, TeamPaths, run_path
+from pipeline_contract import CANARY, FSX_INCOMING, FSX_MOUNT_POINT, TeamPaths, run_path
 from tests.e2e.local_batch import JobDefinitionSpec, JobRun, LocalBatch, LocalSetup
 from tests.e2e.stage import Stage, synthesize
 
@@ -241,8 +241,8 @@ class E2EWorld:
 
     def run_canary(self, timeout_s: float = 600.0) -> JobRun:
         """The canary as its schedule submits it (no parameters: run_id "latest"), once it has finished."""
-        job_id = self._batch_api.submit_job(jobName=CANARY_JOB, jobQueue=self._queue_arns[SINGLE_NODE_QUEUE],
-                                            jobDefinition=self._definition_arns[CANARY_JOB])["jobId"]
+        job_id = self._batch_api.submit_job(jobName=CANARY.name, jobQueue=self._queue_arns[SINGLE_NODE_QUEUE],
+                                            jobDefinition=self._definition_arns[CANARY.name])["jobId"]
         deadline = time.monotonic() + timeout_s
         while self._batch_api.describe_jobs(jobs=[job_id])["jobs"][0]["status"] not in ("SUCCEEDED", "FAILED"):
             if time.monotonic() > deadline:

@@ -28,7 +28,7 @@ if str(REPO_ROOT) not in sys.path:
 import aws_cdk as cdk  # noqa: E402
 from cdk_nag import AwsSolutionsChecks  # noqa: E402
 
-from pipeline_steps.contract import NEURON_SDK  # noqa: E402
+from pipeline_contract import NEURON_SDK  # noqa: E402
 from stacks.config import StageConfig, get_stage  # noqa: E402
 from stacks.stages import build_stage  # noqa: E402
 from stacks.team_config import TeamConfig  # noqa: E402

@@ -11,11 +11,13 @@ from aws_cdk import App, CfnOutput, CfnResource, Environment, Stack
 from aws_cdk.assertions import Annotations, Match, Template
 
 from infra_synth import TEST_ONLY_AMI_ID, stage_config
-from stacks.config import INSTANCE_TYPES, NEURON_AMI_SSM_PARAMETER, ComputeConfig, NeuronAmi, StageConfig
+from pipeline_contract import INSTANCE_TYPES
+from stacks.config import NEURON_AMI_SSM_PARAMETER, ComputeConfig, NeuronAmi, StageConfig
 from stacks.constructs.trainium_compute import neuron_machine_image
 from stacks.constructs.efa_launch_template import network_interfaces, node_boot_script
-from stacks.constructs.job_definitions import EFA_ENVIRONMENT, construct_name, device_list
-from pipeline_steps.contract import PIPELINE_STEPS
+from pipeline_contract import batch_job
+from stacks.constructs.job_definitions import EFA_ENVIRONMENT, device_list
+from pipeline_contract import PIPELINE_STEPS
 
 PREPARE_JOBS = tuple(step.name for step in PIPELINE_STEPS if step.command == "prepare")
 
@@ -33,7 +35,7 @@ def _training_launch_template(template):
 
 def _job_definition(template, step):
     matches = {k: r for k, r in _resources(template, "AWS::Batch::JobDefinition").items()
-               if k.startswith(f"Jobs{construct_name(step)}JobDefinition")}
+               if k.startswith(f"Jobs{batch_job(step).state}JobDefinition")}
     assert len(matches) == 1, (step, list(matches))
     return next(iter(matches.values()))["Properties"]
 

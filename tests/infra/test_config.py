@@ -246,10 +246,10 @@ def test_every_log_retention_is_checked_against_the_cloudwatch_values(days):
 
 
 def test_retention_table_is_the_contract_table():
-    from pipeline_steps import contract
+    import pipeline_contract
     from stacks.constructs.retention import _BY_DAYS
 
-    assert tuple(sorted(_BY_DAYS)) == contract.LOG_RETENTION_DAYS
+    assert tuple(sorted(_BY_DAYS)) == pipeline_contract.LOG_RETENTION_DAYS
 
 
 @pytest.mark.parametrize("identifier", ["production", "team_1", "x" * 255, "x" * 256, "has-dash", "has space", ""])

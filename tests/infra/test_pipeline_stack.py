@@ -9,7 +9,7 @@ from aws_cdk.assertions import Match
 from moto.events.models import EventPattern
 
 from pipeline_fixtures import JOB_DEFINITIONS, QUEUE_WAIT, TEST_CONFIG, synthesized
-from pipeline_steps.contract import PIPELINE_STEPS
+from pipeline_contract import PIPELINE_STEPS
 from stacks.constructs.stall_watchdog import HEARTBEAT_POLL_MINUTES
 from stacks.constructs.training_pipeline import BATCH_API_ERRORS
 from stacks.pipeline_config import PipelineConfig

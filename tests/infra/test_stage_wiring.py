@@ -19,8 +19,8 @@ import pytest
 
 from infra_synth import REPO_ROOT
 from pipeline_steps.heartbeat import Heartbeat
-from pipeline_steps.contract import INSTANCE_TYPES, PIPELINE_STEPS
-from stacks.constructs.job_definitions import construct_name
+from pipeline_contract import INSTANCE_TYPES, PIPELINE_STEPS
+from pipeline_contract import batch_job
 
 ENTRYPOINT = REPO_ROOT / "training_image" / "entrypoint.sh"
 
@@ -36,7 +36,7 @@ def _definition(template, logical_id_prefix: str) -> dict:
 
 def _job_definition(template, key: str) -> dict:
     (job,) = [r["Properties"] for k, r in template.find_resources("AWS::Batch::JobDefinition").items()
-              if k.startswith(f"Jobs{construct_name(key)}JobDefinition")]
+              if k.startswith(f"Jobs{batch_job(key).state}JobDefinition")]
     return job
 
 
@@ -108,34 +108,37 @@ def test_stall_alarm_watches_the_run_id_the_train_job_emits(dev_templates, pipel
 def test_every_job_gets_the_compile_cache_base_the_steps_read(dev_templates):
     """pipeline_steps.distributed derives NEURON_COMPILE_CACHE_URL (keyed by compiler version) from
     this variable; `compile` and `train` must see the same base or training recompiles."""
-    from pipeline_steps.distributed import NEURON_CACHE_BASE_ENV
+    from pipeline_contract import COMPILE_CACHE_BASE_ENV
 
     for key in ("sanity", "compile", "train", "prepare", "validate", "embed", "canary"):
         job = _job_definition(dev_templates["compute"], key)
         container = (job["NodeProperties"]["NodeRangeProperties"][0]["Container"] if "NodeProperties" in job
                      else job["ContainerProperties"])
         env = {e["Name"]: e["Value"] for e in container["Environment"]}
-        value = json.dumps(env[NEURON_CACHE_BASE_ENV])
+        value = json.dumps(env[COMPILE_CACHE_BASE_ENV])
         assert value.startswith('{"Fn::Join": ["", ["s3://"') and value.endswith('"/neuron"]]}'), (key, value)
 
 
 @pytest.mark.parametrize("stage", ["dev", "prod"])
 def test_pipeline_outputs_are_what_the_cli_reads(request, stage):
-    """trainium-runs (pipeline_ops/cli.py) reads these outputs of the stack <project>-<stage>-Pipeline."""
-    from pipeline_ops import cli
+    """trainium-runs (pipeline_ops/cli.py) reads these outputs of the stack <project>-<stage>-Pipeline,
+    by the contract's names (pipeline_contract.stack_outputs)."""
+    from pipeline_contract import (
+        DEFAULT_PROJECT, MLFLOW_TRACKING_SERVER_OUTPUT, SINGLE_NODE_INSTANCE_TYPE_OUTPUT, STATE_MACHINE_OUTPUT,
+        TRAINING_INSTANCE_TYPE_OUTPUT, stack_name,
+    )
 
     stacks, config = request.getfixturevalue(f"{stage}_stage"), request.getfixturevalue(f"{stage}_config")
-    assert stacks["pipeline"].stack_name == f"{cli.DEFAULT_PROJECT}-{stage}-Pipeline"
+    assert stacks["pipeline"].stack_name == stack_name(DEFAULT_PROJECT, stage, "Pipeline")
     outputs = request.getfixturevalue(f"{stage}_templates")["pipeline"].to_json()["Outputs"]
-    assert outputs["TrainingInstanceType"]["Value"] == config.compute.training_instance_type
-    assert outputs["SingleNodeInstanceType"]["Value"] == config.compute.single_node_instance_type
-    source = Path(cli.__file__).read_text()
-    assert '"TrainingInstanceType"' in source and '"SingleNodeInstanceType"' in source
+    assert outputs[TRAINING_INSTANCE_TYPE_OUTPUT]["Value"] == config.compute.training_instance_type
+    assert outputs[SINGLE_NODE_INSTANCE_TYPE_OUTPUT]["Value"] == config.compute.single_node_instance_type
+    assert STATE_MACHINE_OUTPUT in outputs
     if config.pipeline.mlflow_managed:
-        arn = outputs["MlflowTrackingServerArn"]["Value"]
+        arn = outputs[MLFLOW_TRACKING_SERVER_OUTPUT]["Value"]
         assert "TrackingServerArn" in json.dumps(arn)  # the compute stack's server, imported
     else:
-        assert "MlflowTrackingServerArn" not in outputs
+        assert MLFLOW_TRACKING_SERVER_OUTPUT not in outputs
 
 
 # -- Compile and Train: one training command, one environment -------------------------------------
@@ -263,7 +266,8 @@ def test_compile_traces_exactly_the_training_command_with_the_same_flags_and_cac
 
 def test_precision_sets_the_train_flag_and_stochastic_rounding_together():
     from stacks.config import TrainingConfig
-    from stacks.constructs.job_definitions import training_arguments, training_environment
+    from pipeline_contract import training_arguments
+    from stacks.constructs.job_definitions import training_environment
 
     bf16, fp32 = TrainingConfig(), TrainingConfig(precision="fp32")
     assert bf16.precision == "bf16"  # the trn1 default
@@ -307,7 +311,8 @@ def test_compile_retries_transient_faults_but_not_compiler_errors(dev_templates)
 def test_sanity_jobs_expect_the_devices_their_job_definition_maps(request, stage):
     """The sanity step reads INSTANCE_TYPE from its job environment and looks the expected counts up
     in the instance table the job definition's device list was generated from."""
-    from pipeline_steps import contract, sanity
+    import pipeline_contract
+    from pipeline_steps import sanity
 
     templates, config = request.getfixturevalue(f"{stage}_templates"), request.getfixturevalue(f"{stage}_config")
     for key, instance_type in (("sanity", config.compute.training_instance_type),
@@ -315,20 +320,15 @@ def test_sanity_jobs_expect_the_devices_their_job_definition_maps(request, stage
         job = _job_definition(templates["compute"], key)
         env = _environment(job)
         assert sanity.expected_instance_type(None, env) == instance_type, key
-        spec = contract.INSTANCE_TYPES[instance_type]
+        spec = pipeline_contract.INSTANCE_TYPES[instance_type]
         devices = [d["HostPath"] for d in _container_of(job)["LinuxParameters"]["Devices"]]
         assert sum(p.startswith("/dev/neuron") for p in devices) == spec.neuron_devices, key
         assert sum(p.startswith("/dev/infiniband/uverbs") for p in devices) == spec.efa_interfaces, key
         assert env["NPROC_PER_NODE"] == str(spec.neuron_cores), key
 
 
-def test_one_instance_table_and_synth_needs_no_torch():
-    """stacks/config.py re-exports the steps' table (not a copy), and importing every stack leaves
-    torch unimported, so `cdk synth` runs where torch is not installed."""
-    from pipeline_steps import contract
-    from stacks import config
-
-    assert config.INSTANCE_TYPES is contract.INSTANCE_TYPES
+def test_synth_needs_no_torch():
+    """Importing every stack leaves torch unimported, so `cdk synth` runs where torch is not installed."""
     probe = ("import sys\nimport stacks.stages, stacks.config\n"
              "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
              "assert not loaded, loaded\n")
@@ -339,7 +339,7 @@ def test_one_instance_table_and_synth_needs_no_torch():
 
 # -- One step list: the state machine and the job definitions run the contract's steps -------------
 def test_state_machine_runs_the_contract_steps(dev_templates, pipeline):
-    """Every step of pipeline_steps.contract.PIPELINE_STEPS is a Batch state named after it that
+    """Every step of pipeline_contract.PIPELINE_STEPS is a Batch state named after it that
     submits the job of the same name, on the queue its node count needs, and nothing else is."""
     submits = {name: state for name, state in pipeline["States"].items()
                if state.get("Resource", "").endswith(":batch:submitJob.sync")}
@@ -352,7 +352,7 @@ def test_state_machine_runs_the_contract_steps(dev_templates, pipeline):
 def test_job_definitions_run_the_contract_steps(dev_templates):
     """Each step's job definition runs that CLI step, multi-node exactly when the contract says so,
     in the run directory FSX_RUNS/<run id> on the FSx mount; the canary runs sanity under FSX_CANARY."""
-    from pipeline_steps.contract import CANARY_JOB, FSX_CANARY, FSX_MOUNT_POINT, FSX_RUNS
+    from pipeline_contract import CANARY, FSX_CANARY, FSX_MOUNT_POINT, FSX_RUNS
 
     for step in PIPELINE_STEPS:
         job = _job_definition(dev_templates["compute"], step.name)
@@ -361,20 +361,20 @@ def test_job_definitions_run_the_contract_steps(dev_templates):
         assert ("NodeProperties" in job) == step.multi_node, step.name
         assert command[command.index("--run-dir") + 1] == f"{FSX_RUNS}/Ref::run_id", step.name
         assert _container_of(job)["MountPoints"][0]["ContainerPath"] == FSX_MOUNT_POINT
-    canary = _command(_job_definition(dev_templates["compute"], CANARY_JOB))
+    canary = _command(_job_definition(dev_templates["compute"], CANARY.name))
     assert canary[0] == "sanity" and canary[canary.index("--run-dir") + 1].startswith(f"{FSX_CANARY}/")
 
 
 def test_every_job_sets_the_environment_the_image_and_steps_read(dev_templates):
-    """The variables the entrypoint and the steps read (names in pipeline_steps/contract.py) are in
+    """The variables the entrypoint and the steps read (names in pipeline_contract/) are in
     every job definition's environment; the torchrun rendezvous bound in the multi-node ones."""
-    from pipeline_steps import contract
+    import pipeline_contract
 
-    for key in [step.name for step in contract.PIPELINE_STEPS] + [contract.CANARY_JOB]:
+    for key in [step.name for step in pipeline_contract.PIPELINE_STEPS] + [pipeline_contract.CANARY.name]:
         job = _job_definition(dev_templates["compute"], key)
         env = _environment(job)
-        for name in (contract.STAGE_ENV, contract.INSTANCE_TYPE_ENV, contract.NPROC_PER_NODE_ENV,
-                     contract.COMPILE_CACHE_BASE_ENV):
+        for name in (pipeline_contract.STAGE_ENV, pipeline_contract.INSTANCE_TYPE_ENV,
+                     pipeline_contract.NPROC_PER_NODE_ENV, pipeline_contract.COMPILE_CACHE_BASE_ENV):
             assert name in env, (key, name)
         if "NodeProperties" in job:
-            assert contract.RDZV_TIMEOUT_ENV in env, key
+            assert pipeline_contract.RDZV_TIMEOUT_ENV in env, key

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from infra_synth import REPO_ROOT
-from pipeline_steps import contract
-from pipeline_steps.contract import ExitCode
+import pipeline_contract
+from pipeline_contract import ExitCode
 from stacks.config import load_pinned_amis
 from stacks.constructs.training_image import BUILD_CONTEXT_EXCLUDE
 
@@ -46,11 +46,11 @@ def test_dockerfile_contract():
 
 
 def test_image_compiler_local_pins_host_driver_and_amis_are_one_neuron_sdk_release(dev_templates, prod_templates):
-    """contract.NEURON_SDK names one release (2.29.1: PyTorch/XLA training ends with 2.29.x). The
+    """pipeline_contract.NEURON_SDK names one release (2.29.1: PyTorch/XLA training ends with 2.29.x). The
     image, the compiler its build checks, the PyTorch line the local pins install, the user data's
     driver floor and the AMI pins must all be that release's: otherwise the runtime meets a driver it
     does not support, or training compiles into a cache keyed by another compiler."""
-    sdk, text = contract.NEURON_SDK, (IMAGE_DIR / "Dockerfile").read_text()
+    sdk, text = pipeline_contract.NEURON_SDK, (IMAGE_DIR / "Dockerfile").read_text()
     # The image: the release's training DLC (its tag names the SDK and the PyTorch line) ...
     tag = sdk.training_image.rsplit(":", 1)[1]
     assert f"FROM {sdk.training_image}\n" in text and f"-sdk{sdk.release}-" in tag and tag.startswith(f"{sdk.torch}.")
@@ -66,9 +66,9 @@ def test_image_compiler_local_pins_host_driver_and_amis_are_one_neuron_sdk_relea
     # ... and an AMI built before that driver shipped is refused when pinned and when synthesized.
     assert "ami_driver_problem(image_name)" in (REPO_ROOT / "scripts" / "infra_pin_ami.sh").read_text()
     load_pinned_amis()  # raises for a committed pin older than the release's driver
-    assert contract.ami_driver_problem("al2023-ami-ecs-neuron-hvm-2023.0.20251015-kernel-6.1-x86_64")
-    assert contract.ami_driver_problem(f"al2023-ami-ecs-neuron-hvm-2023.0.{sdk.driver_released.replace('-', '')}"
-                                       "-kernel-6.1-x86_64") is None
+    assert pipeline_contract.ami_driver_problem("al2023-ami-ecs-neuron-hvm-2023.0.20251015-kernel-6.1-x86_64")
+    released = sdk.driver_released.replace("-", "")
+    assert pipeline_contract.ami_driver_problem(f"al2023-ami-ecs-neuron-hvm-2023.0.{released}-kernel-6.1-x86_64") is None
 
 
 def test_dockerfile_bakes_the_git_commit_after_the_dependency_layers():
@@ -120,7 +120,8 @@ def test_build_context_allow_list():
     # Everything excluded, then only what the Dockerfile copies re-included.
     assert BUILD_CONTEXT_EXCLUDE[0] == "*"
     included = {p[1:] for p in BUILD_CONTEXT_EXCLUDE if p.startswith("!")}
-    assert included == {"pyproject.toml", "README.md", "pipeline_steps", "pipeline_steps/**", "training_image", "training_image/**"}
+    assert included == {"pyproject.toml", "README.md", "pipeline_contract", "pipeline_contract/**", "pipeline_steps",
+                        "pipeline_steps/**", "training_image", "training_image/**"}
     assert "**/__pycache__" in BUILD_CONTEXT_EXCLUDE
 
 
@@ -171,7 +172,7 @@ def test_main_node_uses_its_own_eth0_address(fake_bin):
 
 def test_a_teams_run_id_is_its_run_dir_below_the_runs_tree(fake_bin):
     # Two teams' runs of one name must not share a heartbeat series (the stall alarm's RunId).
-    out = _out(_run(fake_bin, ["validate", "--run-dir", contract.run_path("search/catalog-v1")], {}))
+    out = _out(_run(fake_bin, ["validate", "--run-dir", pipeline_contract.run_path("search/catalog-v1")], {}))
     assert out["PIPELINE_RUN_ID"] == "search/catalog-v1"
     out = _out(_run(fake_bin, ["sanity", "--run-dir", "/fsx/canary/latest"], {}))
     assert out["PIPELINE_RUN_ID"] == "latest"
@@ -224,18 +225,18 @@ def _shell_code(path: Path) -> str:
 
 
 def test_entrypoint_shell_copies_match_the_contract():
-    """entrypoint.sh cannot import pipeline_steps.contract, so its literal copies are pinned here:
+    """entrypoint.sh cannot import pipeline_contract, so its literal copies are pinned here:
     its config-error exit code, the variables the job definitions and the steps share with it, and
     the steps it runs under torchrun (multi-node pipeline steps)."""
     code = _shell_code(ENTRYPOINT)
     assert re.findall(r"^readonly EX_CONFIG=(\d+)\b", code, re.M) == [str(int(ExitCode.BAD_CONFIG))]
-    for name in (contract.NPROC_PER_NODE_ENV, contract.RDZV_TIMEOUT_ENV, contract.RUN_ID_ENV,
-                 contract.EXIT_CODE_FILE_ENV):
+    for name in (pipeline_contract.NPROC_PER_NODE_ENV, pipeline_contract.RDZV_TIMEOUT_ENV, pipeline_contract.RUN_ID_ENV,
+                 pipeline_contract.EXIT_CODE_FILE_ENV):
         assert re.search(rf"\$\{{?{name}\b", code), f"entrypoint.sh no longer reads ${name}"
-    assert f"{contract.FSX_RUNS}/?*)" in code  # the run id is the run dir below this tree
+    assert f"{pipeline_contract.FSX_RUNS}/?*)" in code  # the run id is the run dir below this tree
     (torchrun_case,) = re.findall(r"^\s*([a-z |-]+)\)\n\s*if run_torchrun", code, re.M)
     torchrun_steps = {step.strip() for step in torchrun_case.split("|")}
-    assert torchrun_steps <= {step.name for step in contract.PIPELINE_STEPS if step.multi_node}, torchrun_steps
+    assert torchrun_steps <= {step.name for step in pipeline_contract.PIPELINE_STEPS if step.multi_node}, torchrun_steps
 
 
 def test_entrypoint_is_strict_and_has_no_sysctl():

@@ -22,7 +22,7 @@ from pipeline_fixtures import ENV, TEAM, synthesized
 from test_pipeline_execution import ARTIFACTS, DATA, _World
 
 from pipeline_ops import cli
-from pipeline_steps.contract import PIPELINE_STEPS
+from pipeline_contract import PIPELINE_STEPS
 
 REGION = ENV.region
 BASE = ["--region", REGION]

@@ -14,6 +14,10 @@ from rich.console import Console
 from pipeline_ops import cli
 from pipeline_ops import runs as R
 from pipeline_steps import heartbeat
+from pipeline_contract import (
+    HEARTBEAT_LOSS_METRIC, HEARTBEAT_NAMESPACE, HEARTBEAT_RUN_DIMENSION, HEARTBEAT_STAGE_DIMENSION, HEARTBEAT_STEP_METRIC,
+    HEARTBEAT_THROUGHPUT_METRIC,
+)
 
 REGION = "us-east-1"
 GROUP = "/aws/batch/job"
@@ -35,13 +39,13 @@ def _context(*extra: str) -> cli.Context:
 def _put_heartbeats(run_id: str, now: float, points: list[tuple[float, int, float, float]]) -> None:
     """(seconds before now, step, loss, tokens/s) as the EMF lines would become metrics."""
     cloudwatch = boto3.client("cloudwatch", region_name=REGION)
-    dims = [{"Name": heartbeat.DIMENSION, "Value": "prod"}, {"Name": heartbeat.RUN_ID_DIMENSION, "Value": run_id}]
+    dims = [{"Name": HEARTBEAT_STAGE_DIMENSION, "Value": "prod"}, {"Name": HEARTBEAT_RUN_DIMENSION, "Value": run_id}]
     for ago, step, loss, tokens in points:
         ts = datetime.fromtimestamp(now - ago, timezone.utc)
-        cloudwatch.put_metric_data(Namespace=heartbeat.NAMESPACE, MetricData=[
-            {"MetricName": heartbeat.METRIC_STEP, "Dimensions": dims, "Timestamp": ts, "Value": step},
-            {"MetricName": heartbeat.METRIC_LOSS, "Dimensions": dims, "Timestamp": ts, "Value": loss},
-            {"MetricName": heartbeat.METRIC_TOKENS_PER_S, "Dimensions": dims, "Timestamp": ts, "Value": tokens}])
+        cloudwatch.put_metric_data(Namespace=HEARTBEAT_NAMESPACE, MetricData=[
+            {"MetricName": HEARTBEAT_STEP_METRIC, "Dimensions": dims, "Timestamp": ts, "Value": step},
+            {"MetricName": HEARTBEAT_LOSS_METRIC, "Dimensions": dims, "Timestamp": ts, "Value": loss},
+            {"MetricName": HEARTBEAT_THROUGHPUT_METRIC, "Dimensions": dims, "Timestamp": ts, "Value": tokens}])
 
 
 def _log(stream: str, *messages: str) -> None:
@@ -81,7 +85,7 @@ def test_running_train_shows_step_loss_throughput_and_eta(aws, capsys) -> None:
 def test_before_the_first_heartbeat_there_is_no_progress_and_no_log_means_no_eta(aws) -> None:
     record = {"jobId": "j-2", "status": "RUNNING", "startedAt": int(time.time() * 1000), "container": {}}
     assert cli.train_progress(_context(), "run-new", record) is None
-    assert R.train_progress({heartbeat.METRIC_STEP: [(100.0, 5.0)]}, None, now=130.0)["eta_seconds"] is None
+    assert R.train_progress({HEARTBEAT_STEP_METRIC: [(100.0, 5.0)]}, None, now=130.0)["eta_seconds"] is None
 
 
 def test_node_job_ids_of_a_multi_node_job() -> None:

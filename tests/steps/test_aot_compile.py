@@ -14,7 +14,7 @@ import pytest
 from pipeline_steps import __main__ as cli
 from pipeline_steps import aot_compile
 from pipeline_steps import distributed as dist_lib
-from pipeline_steps.contract import CHECKPOINTS_DIR, COMPILE_DIR, COMPILE_REPORT, PREPARED_DIR
+from pipeline_contract import CHECKPOINTS_DIR, COMPILE_DIR, COMPILE_REPORT, PREPARED_DIR
 from pipeline_steps.errors import ExitCode
 from pipeline_steps.fileio import read_json
 

@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 from pipeline_steps import data as D
 from pipeline_steps.errors import BadInputError
 from pipeline_steps.prepare import main as prepare_main
+from pipeline_contract import PREPARED_DIR
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +191,7 @@ def test_training_pairs_are_memory_mapped_not_copied_per_rank(prepared, tmp_path
     """Every rank of a node maps the same .npy files (one copy in the page cache) instead of
     decoding its own copy of the Parquet file; the values are the Parquet file's."""
     run_dir = Path(prepared.tokenizer_path).parents[1]
-    parquet = D.read_pairs(run_dir / D.PREPARED / "train_pairs.parquet", prepared.data_cfg)
+    parquet = D.read_pairs(run_dir / PREPARED_DIR / "train_pairs.parquet", prepared.data_cfg)
     for name in D.PAIR_ARRAYS:
         mapped = getattr(prepared.train, name)
         assert isinstance(mapped, np.memmap) and not mapped.flags.writeable, name
@@ -203,7 +204,7 @@ def test_every_rank_memory_maps_the_catalog_instead_of_copying_it(prepared):
     the page cache (RSS per rank does not grow with the catalog or the number of ranks)."""
     run_dir = Path(prepared.tokenizer_path).parents[1]
     products = D.load_prepared(run_dir).products
-    from_parquet = D.read_products(run_dir / D.PREPARED / "products.parquet", prepared.data_cfg, prepared.schema)
+    from_parquet = D.read_products(run_dir / PREPARED_DIR / "products.parquet", prepared.data_cfg, prepared.schema)
     for name in D.PRODUCT_ARRAYS:
         array = getattr(products, name)
         assert isinstance(array, np.memmap) and not array.flags.writeable, name

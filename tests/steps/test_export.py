@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline_contract import DEFAULT_MLFLOW_EXPERIMENT
 from pipeline_steps import checkpoint, data as data_lib, inference as inference_lib
 from pipeline_steps.config import ModelConfig, from_dict, to_dict
 from pipeline_steps.model import EmbeddingModel
@@ -175,7 +176,7 @@ def test_export_of_a_pipeline_run_closes_its_mlflow_run_with_the_gate_metrics(
                         "--out", str(trained_run / "export")]) == 0
 
     client = MlflowClient(tracking_uri=(trained_run / "mlruns").resolve().as_uri())
-    runs = client.search_runs([client.get_experiment_by_name(tracking.DEFAULT_EXPERIMENT).experiment_id])
+    runs = client.search_runs([client.get_experiment_by_name(DEFAULT_MLFLOW_EXPERIMENT).experiment_id])
     (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags
                  and r.data.tags.get(tracking.RUN_ID_TAG) == trained_run.name]
     assert parent.info.status == "FINISHED" and parent.data.tags[tracking.OUTCOME_TAG] == "exported"

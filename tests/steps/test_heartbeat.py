@@ -10,6 +10,7 @@ import pytest
 
 from pipeline_steps import heartbeat
 from pipeline_steps.heartbeat import Heartbeat, emf_record, enabled_by_env
+from pipeline_contract import HEARTBEAT_NAMESPACE, HEARTBEAT_RUN_DIMENSION, HEARTBEAT_STAGE_DIMENSION
 
 BATCH_ENV = {"AWS_BATCH_JOB_ID": "0b1c2d3e#1", "PIPELINE_STAGE": "prod", "PIPELINE_RUN_ID": "run-42"}
 
@@ -60,9 +61,9 @@ def test_one_valid_emf_line_per_call_with_the_documented_names():
 
 
 def test_module_constants_match_the_contract():
-    assert heartbeat.NAMESPACE == "TrainiumEmbeddings"
-    assert heartbeat.DIMENSION == "Stage"
-    assert heartbeat.RUN_ID_DIMENSION == "RunId"
+    assert HEARTBEAT_NAMESPACE == "TrainiumEmbeddings"
+    assert HEARTBEAT_STAGE_DIMENSION == "Stage"
+    assert HEARTBEAT_RUN_DIMENSION == "RunId"
     assert heartbeat.DIMENSION_SETS == (("Stage",), ("Stage", "RunId"))
     assert [name for name, _ in heartbeat.METRICS] == ["TrainStep", "TrainLoss", "TokensPerSecond"]
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from pipeline_steps import __main__ as cli
-from pipeline_steps import contract, sanity
+import pipeline_contract
+from pipeline_steps import sanity
 from pipeline_steps.errors import BadConfigError, ExitCode
 from pipeline_steps.fileio import read_json
 
@@ -137,7 +138,7 @@ def test_expected_world_size_precedence():
 
 
 def test_sanity_judges_hosts_by_the_shared_instance_table():
-    assert sanity.INSTANCE_TYPES is contract.INSTANCE_TYPES
+    assert sanity.INSTANCE_TYPES is pipeline_contract.INSTANCE_TYPES
     counts = {name: (s.neuron_devices, s.neuron_cores, s.efa_interfaces) for name, s in sanity.INSTANCE_TYPES.items()}
     assert counts == {"trn1.32xlarge": (16, 32, 8), "trn1n.32xlarge": (16, 32, 16), "trn1.2xlarge": (1, 2, 0)}
 
@@ -214,7 +215,7 @@ def fake_host(tmp_path, monkeypatch):
 def run_host_checks(instance_type: str | None, *, fsx_path: str | None = None,
                     floor: float | None = None) -> dict[str, sanity.Check]:
     report = sanity.Report(rank=0, local_rank=0, world_size=1, backend="cpu")
-    spec = contract.INSTANCE_TYPES[instance_type] if instance_type else None
+    spec = pipeline_contract.INSTANCE_TYPES[instance_type] if instance_type else None
     sanity.HostChecks(report, spec, instance_type, fsx_path, floor, iterations=1,
                       deadline=time.monotonic() + 60).run_all()
     return {c.name: c for c in report.checks}

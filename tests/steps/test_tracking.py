@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("mlflow")
 from mlflow.tracking import MlflowClient  # noqa: E402
 
+from pipeline_contract import DEFAULT_MLFLOW_EXPERIMENT  # noqa: E402
 from pipeline_steps import tracking  # noqa: E402
 
 
@@ -25,7 +26,7 @@ def _clean_env(monkeypatch):
 
 def _runs(run_dir):
     client = MlflowClient(tracking_uri=(run_dir / "mlruns").resolve().as_uri())
-    exp = client.get_experiment_by_name(tracking.DEFAULT_EXPERIMENT)
+    exp = client.get_experiment_by_name(DEFAULT_MLFLOW_EXPERIMENT)
     return client, client.search_runs([exp.experiment_id])
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline_contract import SUCCESS_MARKER, SUCCESS_MARKER_ENV
 from pipeline_steps import upload
 from pipeline_steps.__main__ import main as cli
 from pipeline_steps.demo_data import generate
@@ -24,7 +25,7 @@ def _upload(root: Path) -> tuple[Path, dict[str, bytes]]:
     for rel, data in files.items():
         (staging / rel).parent.mkdir(parents=True, exist_ok=True)
         (staging / rel).write_bytes(data)
-    files[upload.SUCCESS_MARKER] = json.dumps(upload.manifest_for(staging)).encode()
+    files[SUCCESS_MARKER] = json.dumps(upload.manifest_for(staging)).encode()
     return staging, files
 
 
@@ -34,8 +35,8 @@ class FakeImport:
 
     def __init__(self, target: Path, files: dict[str, bytes]):
         self.target, self.polls = target, 0
-        data = sorted(k for k in files if k != upload.SUCCESS_MARKER)
-        marker = [(upload.SUCCESS_MARKER, files[upload.SUCCESS_MARKER])] if upload.SUCCESS_MARKER in files else []
+        data = sorted(k for k in files if k != SUCCESS_MARKER)
+        marker = [(SUCCESS_MARKER, files[SUCCESS_MARKER])] if SUCCESS_MARKER in files else []
         partial = [(rel, files[rel][: len(files[rel]) // 2]) for rel in data[:1]]
         self.steps = marker + partial + [(rel, files[rel]) for rel in data]
 
@@ -62,7 +63,7 @@ def test_prepare_waits_until_every_file_of_the_manifest_is_imported(tmp_path):
 
 def test_an_upload_still_incomplete_at_the_bound_exits_75_naming_what_is_missing(tmp_path, caplog):
     staging, files = _upload(tmp_path)
-    (staging / upload.SUCCESS_MARKER).write_bytes(files[upload.SUCCESS_MARKER])
+    (staging / SUCCESS_MARKER).write_bytes(files[SUCCESS_MARKER])
     (staging / "pairs" / "part-00000.jsonl").unlink()  # not imported yet
     (staging / "products" / "part-00001.jsonl").write_bytes(files["products/part-00001.jsonl"][:10])
     fake = FakeImport(staging, {})
@@ -78,13 +79,13 @@ def test_an_upload_still_incomplete_at_the_bound_exits_75_naming_what_is_missing
 
 def test_a_complete_upload_with_its_manifest_prepares(tmp_path):
     staging, files = _upload(tmp_path)
-    (staging / upload.SUCCESS_MARKER).write_bytes(files[upload.SUCCESS_MARKER])
+    (staging / SUCCESS_MARKER).write_bytes(files[SUCCESS_MARKER])
     assert prepare_main(["--run-dir", str(tmp_path / "run"), "--data", str(staging), "--upload-timeout", "60"]) == 0
 
 
 def test_an_empty_marker_waits_for_a_listing_that_stops_changing(tmp_path):
     _, files = _upload(tmp_path)
-    files[upload.SUCCESS_MARKER] = b""
+    files[SUCCESS_MARKER] = b""
     target = tmp_path / "fsx"
     fake = FakeImport(target, files)
     upload.wait_for_upload(target, timeout_s=100, poll_s=1, sleep=fake.sleep, clock=fake.clock)
@@ -93,14 +94,27 @@ def test_an_empty_marker_waits_for_a_listing_that_stops_changing(tmp_path):
 
 def test_a_file_whose_checksum_differs_from_the_manifest_is_bad_input(tmp_path, caplog):
     staging, files = _upload(tmp_path)
-    manifest = json.loads(files[upload.SUCCESS_MARKER])
+    manifest = json.loads(files[SUCCESS_MARKER])
     manifest["files"][0]["sha256"] = "0" * 64
-    (staging / upload.SUCCESS_MARKER).write_text(json.dumps(manifest))
+    (staging / SUCCESS_MARKER).write_text(json.dumps(manifest))
     with pytest.raises(BadInputError, match="re-upload"):
         prepare_main(["--run-dir", str(tmp_path / "run"), "--data", str(staging)])
 
 
 def test_a_marker_that_is_not_a_manifest_is_bad_input(tmp_path):
-    (tmp_path / upload.SUCCESS_MARKER).write_text("done")
+    (tmp_path / SUCCESS_MARKER).write_text("done")
     with pytest.raises(BadInputError, match="neither empty nor a manifest"):
         upload.wait_for_upload(tmp_path, timeout_s=0)
+
+
+def test_the_stage_s_marker_is_the_one_prepare_waits_for(tmp_path, monkeypatch):
+    """A stage whose trigger fires on another marker (PipelineConfig.success_marker) passes it to the
+    jobs; prepare then waits for that object, and a default-named one does not end the wait."""
+    staging, files = _upload(tmp_path)
+    (staging / SUCCESS_MARKER).write_bytes(files[SUCCESS_MARKER])
+    monkeypatch.setenv(SUCCESS_MARKER_ENV, "_DONE")
+    fake = FakeImport(staging, {})
+    with pytest.raises(RetryableError, match="missing _DONE"):
+        upload.wait_for_upload(staging, timeout_s=3, poll_s=1, sleep=fake.sleep, clock=fake.clock)
+    (staging / SUCCESS_MARKER).rename(staging / "_DONE")
+    upload.wait_for_upload(staging, timeout_s=3, poll_s=1, sleep=fake.sleep, clock=fake.clock)
