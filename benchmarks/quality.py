@@ -4,7 +4,7 @@ in-batch negatives (MultipleNegativesRankingLoss), and this pipeline from scratc
     python -m benchmarks.quality --pretrained DIR --data UPLOAD --preset small --work-dir runs/quality
     python -m benchmarks.quality --pretrained DIR --demo-seed 1 --preset small --work-dir runs/quality-demo1
 
-Every contender is scored by the same code (pipeline_steps.metrics) on the holdout `prepare` splits off
+Every contender is scored by the same code (pipeline_steps.retrieval_metrics) on the holdout `prepare` splits off
 (queries never trained on), against the whole catalog. The pipeline runs are the ordinary commands with
 their defaults (prepare, train, validate); sentence-transformers uses its own tokenizer and length
 (max_seq_length 256) and is fine-tuned on the same training pairs for the pipeline's pretrained epochs.
@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline_steps import data as data_lib, metrics as metrics_lib, validate
+from pipeline_steps import data as data_lib, holdout_evaluation, retrieval_metrics
 from pipeline_steps.config import PRETRAINED_TRAIN, get_preset
 from pipeline_steps.fileio import atomic_write_json, read_json
 
@@ -73,12 +73,12 @@ def pipeline_contender(run_dir: Path, preset: str) -> dict[str, Any]:
             "train_steps": summary["steps"], "loadavg_before": load, "loadavg_after": _loadavg()}
 
 
-def st_metrics(model: Any, prepared: Any, holdout: validate.Holdout) -> dict[str, float]:
+def st_metrics(model: Any, prepared: Any, holdout: holdout_evaluation.Holdout) -> dict[str, float]:
     products = model.encode(list(prepared.products.texts), batch_size=64, normalize_embeddings=True)
     queries = model.encode(holdout.queries, batch_size=64, normalize_embeddings=True)
-    ranked = metrics_lib.top_k_by_dot(torch.from_numpy(np.asarray(queries)), torch.from_numpy(np.asarray(products)),
-                                      metrics_lib.RANK_DEPTH)
-    return dict(metrics_lib.retrieval_metrics(ranked, holdout.relevant))
+    ranked = retrieval_metrics.top_k_by_dot(torch.from_numpy(np.asarray(queries)), torch.from_numpy(np.asarray(products)),
+                                      retrieval_metrics.RANK_DEPTH)
+    return dict(retrieval_metrics.retrieval_metrics(ranked, holdout.relevant))
 
 
 def st_finetune(pretrained: Path, prepared: Any, *, epochs: int, batch_size: int, out: Path) -> Any:
@@ -108,7 +108,7 @@ def sentence_transformers_contenders(pretrained: Path, run_dir: Path, preset: st
     from sentence_transformers import SentenceTransformer
 
     prepared = data_lib.load_prepared(run_dir)
-    holdout = validate.holdout_queries(prepared.holdout)
+    holdout = holdout_evaluation.holdout_queries(prepared.holdout)
     zero_shot = SentenceTransformer(str(pretrained), device="cpu", local_files_only=True)
     out = {"st_zero_shot": {"metrics": st_metrics(zero_shot, prepared, holdout)}}
     epochs, batch = PRETRAINED_TRAIN["epochs"], get_preset(preset).data.batch_size
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                                "pretrained_defaults": PRETRAINED_TRAIN, "nproc": os.cpu_count()}
     prepared = data_lib.load_prepared(runs["pretrained"])
     results["sizes"] = {"products": len(prepared.products.ids), "train_pairs": len(prepared.train.queries),
-                        "holdout_queries": len(validate.holdout_queries(prepared.holdout).queries)}
+                        "holdout_queries": len(holdout_evaluation.holdout_queries(prepared.holdout).queries)}
     results.update(sentence_transformers_contenders(args.pretrained, runs["pretrained"], args.preset, args.work_dir))
     for name, run_dir in runs.items():
         results[f"pipeline_{name}"] = pipeline_contender(run_dir, args.preset)

@@ -24,24 +24,6 @@ MULTI_NODE_STATES = frozenset(step.state for step in pipeline_contract.PIPELINE_
 _NAME_OK = re.compile(r"[^A-Za-z0-9_-]+")
 
 
-class OpsError(Exception):
-    """An expected failure with a fix-it message and the CLI exit code it maps to."""
-
-    exit_code = 1
-
-
-class NotFoundError(OpsError):
-    exit_code = 3
-
-
-class ConfigError(OpsError):
-    exit_code = 4
-
-
-class CredentialsError(OpsError):
-    exit_code = 5
-
-
 def execution_name(*parts: str, suffix: str = "") -> str:
     """A valid execution name (= run id) from free text: [A-Za-z0-9_-], at most 80 characters."""
     base = _NAME_OK.sub("-", "-".join(p for p in parts if p)).strip("-") or "run"

@@ -1,9 +1,9 @@
 # PYTHON_ARGCOMPLETE_OK
 """The CLI: `python -m pipeline_steps <step> [args]` (installed as `pipeline-steps`).
 
-Each step lives in its own module with a `main(argv) -> int | None`; this dispatcher imports only
-the step asked for, so `sanity` never pays for tokenizers and `--help` is instant. Expected
-failures (`StepError`) become one clear line on stderr and the exit code from `errors.ExitCode`;
+Each step lives in its own module of pipeline_steps/steps/ with a `main(argv) -> int | None`; this
+dispatcher imports only the step asked for, so `sanity` never pays for tokenizers and `--help` is
+instant. Expected failures (`StepError`) become one clear line on stderr and the exit code from `errors.ExitCode`;
 anything else is a bug and keeps its traceback (exit 1). `--version` prints the package version;
 `eval "$(register-python-argcomplete pipeline-steps)"` completes step names.
 """
@@ -17,22 +17,17 @@ import os
 import sys
 from pathlib import Path
 
-from .completion import autocomplete, version_line
+from pipeline_contract import PIPELINE_STEPS
+
+from .cli_common import autocomplete, version_line
 from .errors import ExitCode, StepError, record_exit_code
+from .steps import SUMMARIES, TOOLS, module_name
 
 STEPS: dict[str, tuple[str, str]] = {
-    "prepare": ("pipeline_steps.prepare", "validate records, train the tokenizer, write static-shape shards + holdout"
-                                          " (--phase plan|shard|finish: as an array job)"),
-    "sanity": ("pipeline_steps.sanity", "device and collective health checks (run before spending trn1 hours)"),
-    "compile": ("pipeline_steps.aot_compile", "ahead-of-time compile: trace every training graph once"),
-    "train": ("pipeline_steps.train", "DDP / XLA training with resumable, portable checkpoints"),
-    "validate": ("pipeline_steps.validate", "holdout metrics, BM25 baseline and the quality gate"),
-    "embed": ("pipeline_steps.embed", "sharded batch inference of the catalog to Parquet"),
-    "export": ("pipeline_steps.export", "the towers as sentence-transformers folders for serving"),
-    "run-local": ("pipeline_steps.run_local", "the whole chain on this machine (demo data by default)"),
-    "parity": ("pipeline_steps.parity", "train two backends over several seeds; compare metric means and spread"),
-    "diagnose": ("pipeline_steps.diagnose", "why a job failed: class, evidence and a fix from its node logs"),
+    step: (module_name(step), SUMMARIES[step])
+    for step in (*dict.fromkeys(job.command for job in PIPELINE_STEPS), *TOOLS)
 }
+"""Step -> (module, summary): the step table's commands in pipeline order, then the tools."""
 
 
 def _usage() -> str:

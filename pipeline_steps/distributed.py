@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from pipeline_contract import COMPILE_CACHE_BASE_ENV
 from .errors import BadConfigError, RetryableError
-from .packages import versions  # re-exported: callers that already hold torch ask here
+from .package_versions import versions  # re-exported: callers that already hold torch ask here
 
 BACKENDS = ("cpu", "cuda", "xla")
 GRAD_REDUCE_ENV = "PIPELINE_GRAD_REDUCE"

@@ -94,7 +94,7 @@ class EncoderBlock(nn.Module):
         return x + self.dropout(self.ffn(self.ffn_norm(x)))
 
 
-class TextEncoder(nn.Module):
+class TransformerEncoder(nn.Module):
     """Token + learned position embeddings (no segment embeddings: one text per input),
     LayerNorm, dropout, `num_layers` blocks, final LayerNorm (pre-LN only: a post-LN block already
     ends with one), mean pooling over the mask."""
@@ -187,7 +187,7 @@ class EmbeddingModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.encoder = TextEncoder(cfg)
+        self.encoder = TransformerEncoder(cfg)
         self.query_head = _head(cfg.hidden_size, cfg)
         # One table per categorical feature; index 0 is "unknown" and is a learned vector
         # (unknown carries information, unlike padding).

@@ -35,7 +35,7 @@ from . import batch_validation as V, data as D
 from .config import DataConfig, get_preset, to_dict
 from pipeline_contract import FSX_INCOMING, PREPARED_DIR, PREPARE_REPORT
 from .errors import BadConfigError, BadInputError, StepError
-from . import tracking, upload
+from . import tracking, upload_readiness
 from .fileio import atomic_path, atomic_write_bytes, atomic_write_json, sha256_file
 from .pretrained import previous_staged, stage as stage_pretrained
 
@@ -110,7 +110,7 @@ def resolve_inputs(args: argparse.Namespace, run_dir: Path, seed: int) -> tuple[
         log.info("wrote the %s demo data to %s", args.preset, out)
         return _data_dir_inputs(out)
     if args.data is not None:
-        upload.wait_for_upload(args.data, args.upload_timeout)
+        upload_readiness.wait_for_upload(args.data, args.upload_timeout)
         return _data_dir_inputs(args.data)
     return D.list_input_files(args.products), D.list_input_files(args.pairs)
 
@@ -585,7 +585,7 @@ def prepare(args: argparse.Namespace, preset) -> dict[str, Any]:
     product_files, pair_files = resolve_inputs(args, args.run_dir, args.seed)
     inputs = {"products": _input_checksums(product_files), "pairs": _input_checksums(pair_files)}
     if args.data is not None:
-        upload.check_checksums(args.data, {i["path"]: i["sha256"] for kind in inputs.values() for i in kind})
+        upload_readiness.check_checksums(args.data, {i["path"]: i["sha256"] for kind in inputs.values() for i in kind})
     report: dict[str, Any] = {
         "status": "failed", "preset": preset.name, "seed": args.seed, "data_config": to_dict(cfg), "inputs": inputs,
         "input_sha256": _sha256_bytes(json.dumps(inputs, sort_keys=True).encode()),

@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 
 from . import data as D
 from . import prepare as P
-from . import upload
+from . import upload_readiness
 from .config import DataConfig, from_dict, to_dict
 from pipeline_contract import PREPARED_DIR, PREPARE_REPORT
 from .errors import BadInputError, StepError
@@ -155,7 +155,7 @@ def plan(args: argparse.Namespace, preset) -> dict[str, Any]:
     product_files, pair_files = P.resolve_inputs(args, args.run_dir, args.seed)
     inputs = {"products": P._input_checksums(product_files), "pairs": P._input_checksums(pair_files)}
     if args.data is not None:
-        upload.check_checksums(args.data, {i["path"]: i["sha256"] for kind in inputs.values() for i in kind})
+        upload_readiness.check_checksums(args.data, {i["path"]: i["sha256"] for kind in inputs.values() for i in kind})
     report: dict[str, Any] = {
         "status": "failed", "preset": preset.name, "seed": args.seed, "data_config": to_dict(cfg), "inputs": inputs,
         "input_sha256": P._sha256_bytes(json.dumps(inputs, sort_keys=True).encode()),

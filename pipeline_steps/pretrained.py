@@ -49,7 +49,7 @@ def read_config(directory: Path, files: tuple[str, ...] = (CONFIG, WEIGHTS, TOKE
 
 
 def architecture_problems(config: dict[str, Any]) -> list[str]:
-    """Why a config.json does not describe a BERT encoder this project's TextEncoder can reproduce."""
+    """Why a config.json does not describe a BERT encoder this project's TransformerEncoder can reproduce."""
     problems = []
     if config.get("model_type") != "bert":
         problems.append(f"model_type is {config.get('model_type')!r}; only BERT encoders (model_type 'bert') "
@@ -252,7 +252,7 @@ def encoder_config(prepared: Path, base: ModelConfig) -> ModelConfig:
 
 
 def encoder_state(weights: dict[str, torch.Tensor], num_layers: int, max_positions: int) -> dict[str, torch.Tensor]:
-    """TextEncoder state_dict (pipeline_steps/model.py) from transformers' BertModel tensors.
+    """TransformerEncoder state_dict (pipeline_steps/model.py) from transformers' BertModel tensors.
     BERT's pooler.* is not mapped: the towers mean-pool the token states."""
     import torch
 
@@ -280,7 +280,7 @@ def encoder_state(weights: dict[str, torch.Tensor], num_layers: int, max_positio
 
 
 def init_encoder(prepared: Path, encoder: torch.nn.Module) -> bool:
-    """train's hook: load the staged BERT weights into `encoder` (a TextEncoder built from
+    """train's hook: load the staged BERT weights into `encoder` (a TransformerEncoder built from
     `encoder_config`). Returns False (encoder untouched) when the run was prepared without one."""
     from safetensors.torch import load_file
 

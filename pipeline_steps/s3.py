@@ -3,9 +3,12 @@ boto3 errors mapped to the exit-code table."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from .errors import BadConfigError, RetryableError
+
+log = logging.getLogger(__name__)
 
 
 def split_uri(uri: str) -> tuple[str, str]:
@@ -35,3 +38,15 @@ def step_error(exc: Exception, uri: str, action: str) -> Exception:
         return BadConfigError(f"cannot {action} {uri}: {code}; check the bucket name and the job role's "
                               "s3 permissions")
     return RetryableError(f"cannot {action} {uri}: {exc}")
+
+
+def put_json(data: bytes, uri: str) -> None:
+    """Upload a JSON document (the gate decision) to an s3:// URI."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    bucket, key = split_uri(uri)
+    try:
+        client().put_object(Bucket=bucket, Key=key, Body=data, ContentType="application/json")
+    except (ClientError, BotoCoreError) as exc:
+        raise step_error(exc, uri, "write") from exc
+    log.info("uploaded %s", uri)

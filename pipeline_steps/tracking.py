@@ -30,7 +30,7 @@ from pipeline_contract import (
 )
 from .errors import ExitCode
 from .fileio import atomic_write_json, read_json
-from .packages import versions  # metadata only: a step that needs no torch never imports it
+from .package_versions import versions  # metadata only: a step that needs no torch never imports it
 
 log = logging.getLogger(__name__)
 

@@ -334,64 +334,83 @@ def run_training(trainer: Trainer, *, progress: bool = True, heartbeat: Heartbea
     `watchdog` is told after every completed step and ends the process (exit 75) on a stall;
     `stream` (rank 0) sends the step record (host values only) to the MLflow child run."""
     cfg, world = trainer.cfg, trainer.world
-    out_dir = trainer.run_dir / TRAIN_DIR
-    out_dir.mkdir(parents=True, exist_ok=True)
-    metrics_path = trainer.run_dir / TRAIN_METRICS
-    t_start = last = time.monotonic()
+    (trainer.run_dir / TRAIN_DIR).mkdir(parents=True, exist_ok=True)
+    t_start = time.monotonic()
     first_step = trainer.state.step
     if first_step >= trainer.total_steps:
         log.info("already trained to step %d; nothing to do", first_step)
     with Progress(trainer.total_steps, "train", log_every=cfg.log_every, enabled=world.is_main,
                   live=None if progress else False, start_step=first_step) as bar:
-
-        def log_step(out: StepOutput, record: dict[str, Any]) -> None:
-            """Read a dispatched step's values (raises on a non-finite loss) and report them."""
-            record.update(trainer.checked_values(out))
-            if world.is_main:
-                append_jsonl(metrics_path, record)
-                bar.update(out.step, loss=record["loss"], tokens_per_s=record["tokens_per_s"])
-                if heartbeat is not None:
-                    heartbeat.emit(step=out.step, loss=record["loss"], tokens_per_s=record["tokens_per_s"],
-                                   epoch=record["epoch"])
-                if stream is not None:
-                    stream.log(out.step, record)
-            if watchdog is not None:
-                watchdog.beat()
-
-        pending = None  # the previous step, logged once this one is dispatched
-        for epoch, index, batch in trainer.epochs():
-            if trainer.state.step >= trainer.total_steps:
-                break
-            out = trainer.train_step(batch)
-            trainer.state.epoch, trainer.state.batch_in_epoch = epoch, index + 1
-            trainer.xla.after_step(batch, trainer.state.step)
-            now = time.monotonic()
-            tokens = batch["query_ids"].numel() + batch["doc_ids"].numel()
-            record = {"step": out.step, "epoch": epoch, "lr": out.lr,
-                      "tokens_per_s": tokens * world.world_size / max(now - last, 1e-9),
-                      "step_s": now - last, "elapsed_s": now - t_start}
-            last = now
-            # The previous step's graph has run (or is about to): reading it does not stall this one.
-            if pending is not None:
-                log_step(*pending)
-            pending = (out, record)
-            if trainer.state.step % cfg.checkpoint_every == 0 or trainer.state.step == trainer.total_steps:
-                log_step(*pending)  # never checkpoint past a loss nobody has checked
-                pending = None
-                trainer.save_checkpoint()
-        if pending is not None:
-            log_step(*pending)
+        _train_loop(trainer, _StepReporter(trainer, bar, heartbeat, watchdog, stream), t_start)
     if _latest_step(trainer.run_dir) != trainer.state.step:
         trainer.save_checkpoint()
     # Graph accounting before the holdout pass below (its forward graphs are traced by `compile`
     # too, but they are not part of the training loop's steady state).
     xla_report = trainer.xla.report() if world.is_xla else None
-    elapsed = time.monotonic() - t_start
-    steps_done = trainer.state.step - first_step
+    return _write_summary(trainer, first_step, time.monotonic() - t_start, xla_report)
+
+
+class _StepReporter:
+    """Reads a dispatched step's values (raises on a non-finite loss) and reports them: metrics.jsonl,
+    the progress bar, the heartbeat and the MLflow stream on rank 0, the watchdog on every rank."""
+
+    def __init__(self, trainer: Trainer, bar: Progress, heartbeat: Heartbeat | None, watchdog: Watchdog | None,
+                 stream: tracking.MetricStream | None) -> None:
+        self.trainer, self.bar, self.heartbeat, self.watchdog, self.stream = trainer, bar, heartbeat, watchdog, stream
+        self.metrics_path = trainer.run_dir / TRAIN_METRICS
+
+    def __call__(self, out: StepOutput, record: dict[str, Any]) -> None:
+        record.update(self.trainer.checked_values(out))
+        if self.trainer.world.is_main:
+            append_jsonl(self.metrics_path, record)
+            self.bar.update(out.step, loss=record["loss"], tokens_per_s=record["tokens_per_s"])
+            if self.heartbeat is not None:
+                self.heartbeat.emit(step=out.step, loss=record["loss"], tokens_per_s=record["tokens_per_s"],
+                                    epoch=record["epoch"])
+            if self.stream is not None:
+                self.stream.log(out.step, record)
+        if self.watchdog is not None:
+            self.watchdog.beat()
+
+
+def _train_loop(trainer: Trainer, log_step: _StepReporter, t_start: float) -> None:
+    """The optimizer steps: each step's values are read once the next one is dispatched, and always
+    before a checkpoint (never checkpoint past a loss nobody has checked)."""
+    cfg, world = trainer.cfg, trainer.world
+    last = t_start
+    pending = None  # the previous step, logged once this one is dispatched
+    for epoch, index, batch in trainer.epochs():
+        if trainer.state.step >= trainer.total_steps:
+            break
+        out = trainer.train_step(batch)
+        trainer.state.epoch, trainer.state.batch_in_epoch = epoch, index + 1
+        trainer.xla.after_step(batch, trainer.state.step)
+        now = time.monotonic()
+        tokens = batch["query_ids"].numel() + batch["doc_ids"].numel()
+        record = {"step": out.step, "epoch": epoch, "lr": out.lr,
+                  "tokens_per_s": tokens * world.world_size / max(now - last, 1e-9),
+                  "step_s": now - last, "elapsed_s": now - t_start}
+        last = now
+        # The previous step's graph has run (or is about to): reading it does not stall this one.
+        if pending is not None:
+            log_step(*pending)
+        pending = (out, record)
+        if trainer.state.step % cfg.checkpoint_every == 0 or trainer.state.step == trainer.total_steps:
+            log_step(*pending)
+            pending = None
+            trainer.save_checkpoint()
+    if pending is not None:
+        log_step(*pending)
+
+
+def _write_summary(trainer: Trainer, first_step: int, elapsed: float, xla_report: dict[str, Any] | None
+                   ) -> dict[str, Any]:
+    """train/summary.json (and xla.json) on rank 0; returned on every rank."""
+    world, metrics_path = trainer.world, trainer.run_dir / TRAIN_METRICS
     summary = {
-        "steps": trainer.state.step, "steps_this_run": steps_done, "total_steps": trainer.total_steps,
-        "seconds": elapsed, "backend": world.backend, "world_size": world.world_size,
-        "parameters": count_parameters(dist_lib.unwrap(trainer.model)),
+        "steps": trainer.state.step, "steps_this_run": trainer.state.step - first_step,
+        "total_steps": trainer.total_steps, "seconds": elapsed, "backend": world.backend,
+        "world_size": world.world_size, "parameters": count_parameters(dist_lib.unwrap(trainer.model)),
         "final_loss": _last_loss(metrics_path), "holdout_loss": trainer.eval_loss(),
         "tokens_per_s": _mean_tokens_per_s(metrics_path, skip=2),
         "checkpoint": str(checkpoint.latest(trainer.run_dir)),
@@ -401,7 +420,7 @@ def run_training(trainer: Trainer, *, progress: bool = True, heartbeat: Heartbea
     if world.is_main:
         atomic_write_json(trainer.run_dir / TRAIN_SUMMARY, summary)
         if world.is_xla:
-            atomic_write_json(out_dir / "xla.json", summary["xla"])
+            atomic_write_json(trainer.run_dir / TRAIN_DIR / "xla.json", summary["xla"])
     return summary
 
 

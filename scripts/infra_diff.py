@@ -1,29 +1,15 @@
 #!/usr/bin/env python3
-"""What the current code changes in the CloudFormation templates of every snapshotted stage (dev and
-prod: fixed test account and training zone, registry image; prod with the test-only AMI pin),
-against the committed snapshots (tests/infra/snapshots/) or those of a git revision:
+"""What the current code changes in the CloudFormation templates of every snapshotted stage, against
+the committed snapshots (tests/infra/snapshots/) or those of a git revision: per stack what `cdk diff`
+prints (IAM and security-group tables, replacements), per stage the deploy checks (changed exports,
+replaced compute environments). docs/infrastructure.md, "Reviewing changes", explains the output.
 
-    python scripts/infra_diff.py                   # both stages, against the working tree's snapshots
-    python scripts/infra_diff.py --base origin/main  # against the snapshots of that revision (a PR's delta)
-    python scripts/infra_diff.py --stage prod      # one stage
-    python scripts/infra_diff.py --update          # rewrite the snapshots (same as `make snapshots`)
+    python scripts/infra_diff.py [--base origin/main] [--stage prod] [--update]   # --update = make snapshots
 
-Per stack it prints what `cdk diff` prints: a per-resource diff, the IAM statement and security
-group rule changes as tables, and the resources CloudFormation would replace (a changed
-create-only property, from the resource schemas cfn-lint ships; a changed type or logical id).
-Per stage it then prints what deploying it over the old templates would run into: exports another
-stack imports that change or disappear (CloudFormation refuses the deploy), and compute
-environments whose instances Batch replaces, with how long running jobs keep theirs.
-
-Replacing or removing a retained resource (DeletionPolicy Retain/RetainExceptOnCreate/Snapshot:
-the KMS key, buckets, FSx) would orphan its data or lose it, so it fails the check (exit 3), and
-`--update` refuses to write, unless acknowledged: an entry {"resource": "STACK/LOGICAL_ID",
-"reason": "..."} in tests/infra/acknowledged_replacements.json, or `--acknowledge STACK/LOGICAL_ID`.
-
-Exit codes: 0 no differences; 1 differences to review; 2 usage error; 3 an unacknowledged
-replacement or removal of a retained resource.
-
-For a diff against a *deployed* stage use the pinned CDK CLI: `make cdk ARGS="diff -c stage=prod"`.
+Replacing or removing a retained resource (the KMS key, buckets, FSx) fails the check (exit 3) and
+--update refuses to write, unless acknowledged in tests/infra/acknowledged_replacements.json or with
+--acknowledge STACK/LOGICAL_ID. Exit codes: 0 no differences; 1 differences to review; 2 usage
+error; 3 an unacknowledged replacement or removal of a retained resource.
 """
 
 from __future__ import annotations

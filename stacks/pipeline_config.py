@@ -66,7 +66,7 @@ class PipelineConfig:
     TORCHRUN_RDZV_TIMEOUT_SECONDS), part of the stall watchdog's `first_heartbeat_minutes`, and the
     startup share of every Batch state's timeout (`state_timeout`)."""
 
-    # -- Retries of Batch API errors only    # -- Retries of Batch API errors only (host/exit-code retries are the job definitions') ---
+    # -- Retries of Batch API errors only (host/exit-code retries are the job definitions') ---
     retry_interval_seconds: int = 5
     retry_max_attempts: int = 6
     retry_backoff_rate: float = 2.0

@@ -15,7 +15,7 @@ import numpy as np
 from benchmarks.bench import Shape, embed_flops, matmul_params, train_step_flops
 from pipeline_steps.config import get_preset
 from pipeline_steps.fileio import read_json
-from pipeline_steps.model import TextEncoder
+from pipeline_steps.model import TransformerEncoder
 
 from tests.steps.conftest import REPO, cli_env
 
@@ -49,7 +49,7 @@ def test_quick_tiny_bench_writes_every_documented_key(tmp_path: Path) -> None:
 
 def test_flop_formula_counts_every_encoder_matmul_weight() -> None:
     cfg = get_preset("tiny").model
-    encoder = TextEncoder(cfg)
+    encoder = TransformerEncoder(cfg)
     linear_weights = sum(m.weight.numel() for m in encoder.modules() if isinstance(m, nn.Linear))
     assert matmul_params(cfg) == linear_weights
     shape = Shape(batch=4, query_length=8, doc_length=16)

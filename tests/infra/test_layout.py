@@ -1,7 +1,6 @@
-"""The CDK app reads in one screen: no function in app.py or stacks/ is longer than a screen, a
-module under stacks/ defines at most one construct or stack (the layout of
-aws-samples/aws-cdk-project-structure-python: thin stacks, one small construct per file), and a
-module docstring says what the module does and how to run it in a few lines."""
+"""The CDK app's layout: a module under stacks/ defines at most one construct or stack (the layout of
+aws-samples/aws-cdk-project-structure-python: thin stacks, one small construct per file). The
+function-length and docstring rules of every package: tests/test_layout.py."""
 
 from __future__ import annotations
 
@@ -9,11 +8,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-MAX_FUNCTION_LINES = 60
 CONSTRUCT_BASES = {"Construct", "Stack"}
-MAX_MODULE_DOCSTRING_LINES = 12
-# Files or packages (relative to the repository) whose module docstrings must stay short.
-DOCSTRING_ROOTS: tuple[str, ...] = ("app.py", "stacks", "pipeline_ops", "pipeline_steps")
 
 
 def _modules_under(roots: tuple[str, ...]) -> list[Path]:
@@ -38,18 +33,6 @@ def test_the_cdk_sources_are_found():
     assert {"app.py", "stacks/compute_stack.py", "stacks/constructs/training_pipeline.py"} <= names
 
 
-def test_no_function_is_longer_than_a_screen():
-    too_long = []
-    for path in _cdk_modules():
-        for node in ast.walk(_parse(path)):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                length = node.end_lineno - node.lineno + 1
-                if length > MAX_FUNCTION_LINES:
-                    too_long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: {length} lines")
-    assert not too_long, (
-        f"Functions longer than {MAX_FUNCTION_LINES} lines; split them into named builders:\n" + "\n".join(too_long))
-
-
 def test_one_construct_per_module():
     crowded = []
     for path in _cdk_modules():
@@ -58,17 +41,3 @@ def test_one_construct_per_module():
         if len(classes) > 1:
             crowded.append(f"{path.relative_to(REPO)}: {', '.join(classes)}")
     assert not crowded, "One construct or stack per module; move the others to their own files:\n" + "\n".join(crowded)
-
-
-def test_module_docstrings_are_short():
-    """What the module builds or does, and how to run it; a reason or a pitfall belongs in a
-    comment at the line it explains, or in docs/."""
-    wordy = []
-    for path in _modules_under(DOCSTRING_ROOTS):
-        docstring = ast.get_docstring(_parse(path), clean=False) or ""
-        lines = len(docstring.strip().splitlines())
-        if lines > MAX_MODULE_DOCSTRING_LINES:
-            wordy.append(f"{path.relative_to(REPO)}: {lines} lines")
-    assert not wordy, (
-        f"Module docstrings longer than {MAX_MODULE_DOCSTRING_LINES} lines; keep what the module does and how "
-        "to run it, move reasons to comments at the code they explain or to docs/:\n" + "\n".join(wordy))

@@ -217,7 +217,7 @@ def test_compile_traces_exactly_the_training_command_with_the_same_flags_and_cac
     """The Neuron cache key hashes the graph and NEURON_CC_FLAGS: Train finds what Compile put there
     only if the trial runs the same command (preset, batch shape, precision), with the same flags,
     against the same cache. Rendered from the synthesized job definitions as Batch runs them."""
-    from pipeline_steps import aot_compile
+    from pipeline_steps import compile_trial
 
     templates, config = request.getfixturevalue(f"{stage}_templates"), request.getfixturevalue(f"{stage}_config")
     pipeline = _definition(templates["pipeline"], "TrainingPipelineStateMachine")
@@ -240,8 +240,8 @@ def test_compile_traces_exactly_the_training_command_with_the_same_flags_and_cac
                                                 _environment(compile_job), tmp_path / "compile")
     assert compile_argv[:3] == ["-m", "pipeline_steps", "compile"]
     run_dir = Path("/fsx/runs") / EXAMPLE_RUN["run_id"]
-    trial_dir = run_dir / aot_compile.TRIALS_DIR / "job-attempt1"
-    trial, trial_env = aot_compile.neuron_command(aot_compile.training_argv(compile_argv[3:]), trial_dir, 10,
+    trial_dir = run_dir / compile_trial.TRIALS_DIR / "job-attempt1"
+    trial, trial_env = compile_trial.neuron_command(compile_trial.training_argv(compile_argv[3:]), trial_dir, 10,
                                                   compile_env)
     assert trial[0] == "neuron_parallel_compile"
     # The trial is launched as training is (the launcher with the node's torchrun arguments), with
@@ -295,12 +295,12 @@ def _batch_retry_action(evaluate_on_exit: list[dict], exit_code: int) -> str:
 
 
 def test_compile_retries_transient_faults_but_not_compiler_errors(dev_templates):
-    from pipeline_steps import aot_compile
+    from pipeline_steps import compile_trial
 
     rules = _job_definition(dev_templates["compute"], "compile")["RetryStrategy"]["EvaluateOnExit"]
-    compiler_error = aot_compile.trial_failure(1, recorded=None)
-    worker_fault = aot_compile.trial_failure(1, recorded=75)
-    killed = aot_compile.trial_failure(-9, recorded=None)
+    compiler_error = compile_trial.trial_failure(1, recorded=None)
+    worker_fault = compile_trial.trial_failure(1, recorded=75)
+    killed = compile_trial.trial_failure(-9, recorded=None)
     assert _batch_retry_action(rules, compiler_error.exit_code) == "EXIT"
     assert _batch_retry_action(rules, worker_fault.exit_code) == "RETRY"
     assert _batch_retry_action(rules, killed.exit_code) == "RETRY"
@@ -312,7 +312,7 @@ def test_sanity_jobs_expect_the_devices_their_job_definition_maps(request, stage
     """The sanity step reads INSTANCE_TYPE from its job environment and looks the expected counts up
     in the instance table the job definition's device list was generated from."""
     import pipeline_contract
-    from pipeline_steps import sanity
+    from pipeline_steps.steps import sanity
 
     templates, config = request.getfixturevalue(f"{stage}_templates"), request.getfixturevalue(f"{stage}_config")
     for key, instance_type in (("sanity", config.compute.training_instance_type),

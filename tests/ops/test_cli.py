@@ -21,7 +21,7 @@ from moto_batch import patched_moto_batch
 from pipeline_fixtures import ENV, TEAM, synthesized
 from test_pipeline_execution import ARTIFACTS, DATA, _World
 
-from pipeline_ops import cli
+from pipeline_ops import cli, commands, context
 from pipeline_contract import PIPELINE_STEPS
 
 REGION = ENV.region
@@ -55,8 +55,8 @@ def world():
         cloudformation = _CloudFormation({"TrnEmbed-dev-Pipeline": {"StateMachineArn": w.pipeline_arn},
                                           "TrnEmbed-dev-Storage": {"DataBucketName": DATA,
                                                                    "ArtifactsBucketName": ARTIFACTS}})
-        real_client = cli.Context.client
-        patch_cfn = mock.patch.object(cli.Context, "client", lambda self, name: cloudformation
+        real_client = context.Context.client
+        patch_cfn = mock.patch.object(context.Context, "client", lambda self, name: cloudformation
                                       if name == "cloudformation" else real_client(self, name))
         patch_cfn.start()
         w.cloudformation = cloudformation
@@ -351,7 +351,7 @@ def test_logs_node_reads_that_nodes_stream(world, capsys, monkeypatch):
     Train single-node, so the parent record gets the node properties Batch reports for 3 nodes."""
     train_id, _ = _train_job(world, capsys)
     _put("train/default/node-2", "rank 16 ready")
-    monkeypatch.setattr(cli, "_describe_jobs", _three_nodes(cli._describe_jobs, train_id, lambda node: {
+    monkeypatch.setattr(commands, "describe_jobs", _three_nodes(commands.describe_jobs, train_id, lambda node: {
         "status": "SUCCEEDED", "container": {"logStreamName": f"train/default/node-{node}"}}))
     out = run_json(capsys, "logs", "run-ok", "train", "--node", "2")
     assert out["job_id"] == f"{train_id}#2" and [e["message"] for e in out["events"]] == ["rank 16 ready"]
@@ -368,8 +368,8 @@ def test_logs_follow_prints_new_lines_until_the_job_ends(world, capsys, monkeypa
     train_id, stream = _train_job(world, capsys)
     _put(stream, "before follow")
     statuses = iter(["RUNNING", "RUNNING", "SUCCEEDED"])  # as DescribeJobs reports it on each poll
-    real = cli._describe_jobs
-    monkeypatch.setattr(cli, "_describe_jobs", lambda ctx, ids: {
+    real = commands.describe_jobs
+    monkeypatch.setattr(commands, "describe_jobs", lambda ctx, ids: {
         k: ({**v, "status": next(statuses, "SUCCEEDED")} if k == train_id else v) for k, v in real(ctx, ids).items()})
     arrivals = iter([["step 20 loss 0.40"], ["step 30 loss 0.35", "done"]])  # written while we wait
 
@@ -378,7 +378,7 @@ def test_logs_follow_prints_new_lines_until_the_job_ends(world, capsys, monkeypa
         if messages:
             _put(stream, *messages)
 
-    monkeypatch.setattr(cli, "follow", functools.partial(cli.follow, sleep=wait))
+    monkeypatch.setattr(commands, "follow", functools.partial(commands.follow, sleep=wait))
     capsys.readouterr()
     assert cli.main([*BASE, "logs", "run-ok", "train", "--follow", "--interval", "0.01"]) == 0
     out = capsys.readouterr().out

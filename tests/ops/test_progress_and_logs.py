@@ -12,8 +12,8 @@ from moto import mock_aws
 from rich.console import Console
 
 from pipeline_ops import cli
-from pipeline_ops import runs as R
-from pipeline_steps import heartbeat
+from pipeline_ops import rendering, run_reader, runs
+from pipeline_ops.context import Context
 from pipeline_contract import (
     HEARTBEAT_LOSS_METRIC, HEARTBEAT_NAMESPACE, HEARTBEAT_RUN_DIMENSION, HEARTBEAT_STAGE_DIMENSION, HEARTBEAT_STEP_METRIC,
     HEARTBEAT_THROUGHPUT_METRIC,
@@ -31,9 +31,9 @@ def aws(monkeypatch):
         yield
 
 
-def _context(*extra: str) -> cli.Context:
+def _context(*extra: str) -> Context:
     args = cli.build_parser().parse_args(["--region", REGION, "--stage", "prod", "--offline-prices", "status", *extra])
-    return cli.Context(args)
+    return Context(args)
 
 
 def _put_heartbeats(run_id: str, now: float, points: list[tuple[float, int, float, float]]) -> None:
@@ -72,25 +72,25 @@ def test_running_train_shows_step_loss_throughput_and_eta(aws, capsys) -> None:
          "2026-01-01 INFO train step 40/100  loss=0.5  eta 05:00")
     record = {"jobId": "j-1", "status": "RUNNING", "startedAt": int((now - 300) * 1000),
               "container": {"logStreamName": "train/default/main"}}
-    progress = cli.train_progress(_context(), "run-7", record, now=now)
+    progress = run_reader.train_progress(_context(), "run-7", record, now=now)
     assert progress["step"] == 40 and progress["total_steps"] == 100
     assert progress["loss"] == pytest.approx(0.50) and progress["tokens_per_s"] == pytest.approx(1250.0)
     assert progress["steps_per_s"] == pytest.approx(10 / 60, rel=1e-3)
     assert progress["eta_seconds"] == pytest.approx(60 / (10 / 60), rel=1e-3)  # 60 steps left at 1/6 step/s
     assert progress["heartbeat_age_seconds"] == pytest.approx(60.0)
-    cli._render_progress(Console(), progress)
+    rendering.render_progress(Console(), progress)
     assert "train: step 40/100, loss 0.5000, 1,250 tokens/s, ETA 0:06:00" in capsys.readouterr().out
 
 
 def test_before_the_first_heartbeat_there_is_no_progress_and_no_log_means_no_eta(aws) -> None:
     record = {"jobId": "j-2", "status": "RUNNING", "startedAt": int(time.time() * 1000), "container": {}}
-    assert cli.train_progress(_context(), "run-new", record) is None
-    assert R.train_progress({HEARTBEAT_STEP_METRIC: [(100.0, 5.0)]}, None, now=130.0)["eta_seconds"] is None
+    assert run_reader.train_progress(_context(), "run-new", record) is None
+    assert runs.train_progress({HEARTBEAT_STEP_METRIC: [(100.0, 5.0)]}, None, now=130.0)["eta_seconds"] is None
 
 
 def test_node_job_ids_of_a_multi_node_job() -> None:
     record = {"jobId": "j", "nodeProperties": {"numNodes": 4, "mainNode": 0}}
-    assert R.node_job_id(record, None) == "j#0" and R.node_job_id(record, 3) == "j#3"
+    assert runs.node_job_id(record, None) == "j#0" and runs.node_job_id(record, 3) == "j#3"
     with pytest.raises(ValueError, match="has nodes 0..3"):
-        R.node_job_id(record, 4)
-    assert R.node_job_id({"jobId": "single"}, None) is None
+        runs.node_job_id(record, 4)
+    assert runs.node_job_id({"jobId": "single"}, None) is None

@@ -284,7 +284,7 @@ def test_the_packaged_rules_link_public_documentation() -> None:
 
 # ---- the package and the command ------------------------------------------------------------------
 def test_the_classifier_imports_neither_aws_nor_torch() -> None:
-    code = ("import sys, pipeline_steps.diagnosis, pipeline_steps.diagnose, pipeline_steps.diagnosis.job_logs, "
+    code = ("import sys, pipeline_steps.diagnosis, pipeline_steps.steps.diagnose, pipeline_steps.diagnosis.job_logs, "
             "pipeline_steps.diagnosis.handler; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'boto3', 'botocore', 'torch', 'numpy'}))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), cwd=REPO,

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline_steps import embed
+from pipeline_steps import inference, shards
 from pipeline_steps.__main__ import main as cli
 from pipeline_steps.data import load_prepared
 from pipeline_steps.errors import BadConfigError
@@ -53,7 +53,7 @@ def test_all_shards_give_a_manifest_with_every_product_once(trained_run: Path):
     manifest = read_json(trained_run / "embeddings" / "manifest.json")
     assert manifest["shard_count"] == 4 and manifest["total_count"] == len(catalog)
     assert manifest["embedding_dim"] == EMBEDDING_DIM
-    assert manifest["checkpoint_sha256"] == embed.resolve_checkpoint(trained_run)[1]
+    assert manifest["checkpoint_sha256"] == inference.resolve_checkpoint(trained_run)[1]
     assert [s["rows"] for s in manifest["shards"]] == [60, 60, 60, 60]
     assert manifest["shards"][0]["first_id"] == catalog[0] and manifest["shards"][-1]["last_id"] == catalog[-1]
 
@@ -142,15 +142,15 @@ def test_another_checkpoint_redoes_shards(trained_run: Path, caplog):
 
 
 def test_shard_defaults_come_from_the_array_job(trained_run: Path, monkeypatch):
-    assert embed.resolve_shard(None, None, {}) == (0, 1)
+    assert shards.resolve_shard(None, None, {}) == (0, 1)
     array_env = {"AWS_BATCH_JOB_ARRAY_INDEX": "2", "AWS_BATCH_JOB_ARRAY_SIZE": "3"}
-    assert embed.resolve_shard(None, None, array_env) == (2, 3)
-    assert embed.resolve_shard(1, 2, array_env) == (1, 2)  # flags win
+    assert shards.resolve_shard(None, None, array_env) == (2, 3)
+    assert shards.resolve_shard(1, 2, array_env) == (1, 2)  # flags win
     with pytest.raises(BadConfigError, match="AWS_BATCH_JOB_ARRAY_SIZE"):
-        embed.resolve_shard(None, None, {"AWS_BATCH_JOB_ARRAY_INDEX": "2"})
+        shards.resolve_shard(None, None, {"AWS_BATCH_JOB_ARRAY_INDEX": "2"})
     with pytest.raises(BadConfigError, match="shard index < shard count"):
-        embed.resolve_shard(3, 3, {})
-    assert [embed.shard_bounds(10, i, 3) for i in range(3)] == [(0, 3), (3, 6), (6, 10)]
+        shards.resolve_shard(3, 3, {})
+    assert [shards.shard_bounds(10, i, 3) for i in range(3)] == [(0, 3), (3, 6), (6, 10)]
 
     monkeypatch.setenv("AWS_BATCH_JOB_ARRAY_INDEX", "1")
     monkeypatch.setenv("AWS_BATCH_JOB_ARRAY_SIZE", "3")

@@ -120,7 +120,8 @@ def test_s3_upload_writes_every_file_then_the_marker_and_a_failed_retry_leaves_n
     import moto
     from botocore.exceptions import EndpointConnectionError
 
-    from pipeline_steps import export
+    from pipeline_steps import sentence_transformers_export
+    from pipeline_steps.steps import export
 
     for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                         "AWS_DEFAULT_REGION": "us-east-1"}.items():
@@ -136,9 +137,9 @@ def test_s3_upload_writes_every_file_then_the_marker_and_a_failed_retry_leaves_n
         assert export.main(["--checkpoint", str(trained_run), "--out", str(out), "--s3-uri", f"s3://artifacts/{prefix}"]) == 0
 
         local = sorted(prefix + p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
-        assert sorted(written[:-1]) == local and written[-1] == prefix + export.MARKER  # the marker last
+        assert sorted(written[:-1]) == local and written[-1] == prefix + sentence_transformers_export.MARKER  # the marker last
         listed = sorted(o["Key"] for o in s3.list_objects_v2(Bucket="artifacts", Prefix=prefix)["Contents"])
-        assert listed == sorted([*local, prefix + export.MARKER])
+        assert listed == sorted([*local, prefix + sentence_transformers_export.MARKER])
         report = json.loads(s3.get_object(Bucket="artifacts", Key=prefix + "export.json")["Body"].read())
         assert report["towers"]["query"]["path"] == "query"
 
@@ -148,9 +149,9 @@ def test_s3_upload_writes_every_file_then_the_marker_and_a_failed_retry_leaves_n
 
         s3.upload_file = unreachable
         with pytest.raises(Exception, match="upload the export"):
-            export.upload(out, f"s3://artifacts/{prefix}")
+            sentence_transformers_export.upload(out, f"s3://artifacts/{prefix}")
         keys = {o["Key"] for o in s3.list_objects_v2(Bucket="artifacts", Prefix=prefix)["Contents"]}
-        assert prefix + export.MARKER not in keys
+        assert prefix + sentence_transformers_export.MARKER not in keys
 
 
 def test_export_refuses_an_s3_uri_that_is_not_one_before_loading_the_model(tmp_path: Path) -> None:
@@ -165,7 +166,8 @@ def test_export_of_a_pipeline_run_closes_its_mlflow_run_with_the_gate_metrics(
     logs its child run and closes the pipeline's MLflow run (file store in the run dir here)."""
     from mlflow.tracking import MlflowClient
 
-    from pipeline_steps import export, tracking
+    from pipeline_steps import tracking
+    from pipeline_steps.steps import export
 
     for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "RANK", "AWS_BATCH_JOB_NODE_INDEX", "PIPELINE_RUN_ID"):
         monkeypatch.delenv(name, raising=False)

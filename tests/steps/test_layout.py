@@ -1,4 +1,5 @@
-"""The package's layout: steps are thin entry points over library modules, and no step imports another."""
+"""The package's layout: steps are thin entry points in pipeline_steps/steps/ over library modules,
+every step of the step table has one, and no step imports another."""
 
 from __future__ import annotations
 
@@ -39,11 +40,23 @@ def test_no_step_module_imports_another_step() -> None:
     the CLI (a subprocess, or __main__'s registry), not by importing them."""
     offenders = {}
     for module in sorted(STEP_MODULES):
-        path = PACKAGE / f"{module.rpartition('.')[2]}.py"
+        path = PACKAGE / "steps" / f"{module.rpartition('.')[2]}.py"
         steps_imported = sorted((imported_modules(path) & STEP_MODULES) - {module})
         if steps_imported:
             offenders[module] = steps_imported
     assert offenders == {}
+
+
+def test_every_step_has_a_module_with_a_main() -> None:
+    """The CLI registry comes from the step table (pipeline_contract.PIPELINE_STEPS) plus the tools;
+    each entry is a module of pipeline_steps/steps/ with a `main(argv)`."""
+    from pipeline_contract import BATCH_JOBS
+
+    assert {job.command for job in BATCH_JOBS} <= set(cli.STEPS)
+    for module, _ in cli.STEPS.values():
+        assert module.startswith("pipeline_steps.steps.")
+        tree = ast.parse((PACKAGE / "steps" / f"{module.rpartition('.')[2]}.py").read_text("utf-8"))
+        assert "main" in {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}, module
 
 
 def test_the_package_ships_no_benchmark() -> None:

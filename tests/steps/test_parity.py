@@ -10,7 +10,7 @@ import pytest
 from pipeline_steps import checkpoint
 from pipeline_steps.errors import ExitCode
 from pipeline_steps.fileio import read_json
-from pipeline_steps.parity import compare_metric
+from pipeline_steps.parity_report import compare_metric
 
 from .conftest import run_cli
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline_steps import checkpoint, data as data_lib, distributed, inference, metrics, pretrained, validate
+from pipeline_steps import checkpoint, data as data_lib, distributed, holdout_evaluation, inference, pretrained
+from pipeline_steps import retrieval_metrics as metrics
 from pipeline_steps.config import PRETRAINED_TRAIN, get_preset
 from pipeline_steps.errors import ExitCode
 from pipeline_steps.trainer import Trainer
@@ -138,8 +139,8 @@ def _untrained_against_sentence_transformers(run_dir: Path, bert_dir: Path, metr
     assert trainer.model_cfg.num_numeric > 0 and trainer.model_cfg.categorical_cardinalities, "features must be fused"
     ckpt = trainer.save_checkpoint()
     prepared = data_lib.load_prepared(run_dir)
-    holdout = validate.holdout_queries(prepared.holdout)
-    ours = validate.evaluate_model(inference.load_for_inference(ckpt, "cpu"), prepared, holdout, batch_size=16)
+    holdout = holdout_evaluation.holdout_queries(prepared.holdout)
+    ours = holdout_evaluation.evaluate_model(inference.load_for_inference(ckpt, "cpu"), prepared, holdout, batch_size=16)
 
     st_products = sentence_transformer(bert_dir, max(prepared.data_cfg.length_buckets)).encode(
         list(prepared.products.texts), batch_size=16, normalize_embeddings=True)

@@ -14,7 +14,8 @@ import pytest
 
 from pipeline_steps import __main__ as cli
 import pipeline_contract
-from pipeline_steps import sanity
+from pipeline_steps import collective_checks, health_report, host_checks
+from pipeline_steps.steps import sanity
 from pipeline_steps.errors import BadConfigError, ExitCode
 from pipeline_steps.fileio import read_json
 
@@ -23,7 +24,7 @@ from .conftest import cli_env, run_cli
 NEURON_ONLY = {"neuron_devices", "efa_devices", "efa_provider", "fsx_mount", "fsx_writable", "nccom_all_reduce"}
 TORCH_CHECKS = {"world_size", "device_matmul", "all_reduce", "all_gather", "reduce_scatter"}
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-              "AWS_BATCH_JOB_NUM_NODES", "NPROC_PER_NODE", "INSTANCE_TYPE", sanity.FAULT_RANK_ENV)
+              "AWS_BATCH_JOB_NUM_NODES", "NPROC_PER_NODE", "INSTANCE_TYPE", collective_checks.FAULT_RANK_ENV)
 
 
 @pytest.fixture
@@ -86,7 +87,7 @@ def test_passes_under_torchrun_with_gloo(tmp_path):
 
 
 def test_wrong_all_reduce_value_fails_with_exit_75_and_expected_vs_actual(single_process, tmp_path, caplog):
-    single_process.setenv(sanity.FAULT_RANK_ENV, "0")
+    single_process.setenv(collective_checks.FAULT_RANK_ENV, "0")
     code = cli.main(["sanity", "--run-dir", str(tmp_path), "--backend", "cpu", "--iterations", "1",
                      "--timeout-s", "120"])
     assert code == ExitCode.RETRYABLE == 75
@@ -94,14 +95,14 @@ def test_wrong_all_reduce_value_fails_with_exit_75_and_expected_vs_actual(single
     assert "FAULT INJECTION ACTIVE" in caplog.text
     summary = read_json(tmp_path / "sanity" / "sanity.json")
     assert summary["status"] == "failed" and summary["exit_code"] == 75 and summary["failed_ranks"] == [0]
-    assert summary["fault_injection"] == {"env": sanity.FAULT_RANK_ENV, "rank": 0}
+    assert summary["fault_injection"] == {"env": collective_checks.FAULT_RANK_ENV, "rank": 0}
     failed = [c["name"] for c in summary["checks"] if c["status"] == "failed"]
     assert failed == ["all_reduce"]  # the other collectives were not affected
 
 
 def test_one_faulty_rank_under_torchrun_fails_every_rank_with_75(tmp_path):
     result = run_cli("sanity", "--run-dir", tmp_path, "--backend", "cpu", "--iterations", "1",
-                     env=cli_env(**{sanity.FAULT_RANK_ENV: "1"}), torchrun=2, timeout=300)
+                     env=cli_env(**{collective_checks.FAULT_RANK_ENV: "1"}), torchrun=2, timeout=300)
     # torchrun reports the worker's code and itself exits 1 (why the entrypoint records it: docs/infrastructure.md).
     assert result.returncode != 0
     assert "exitcode  : 75" in result.stderr
@@ -113,20 +114,20 @@ def test_one_faulty_rank_under_torchrun_fails_every_rank_with_75(tmp_path):
 
 
 def test_fault_switch_is_inert_by_default_and_rejects_garbage():
-    assert sanity.fault_rank({}) is None
-    assert sanity.fault_rank({sanity.FAULT_RANK_ENV: ""}) is None
-    assert sanity.fault_rank({sanity.FAULT_RANK_ENV: "3"}) == 3
-    with pytest.raises(BadConfigError, match=sanity.FAULT_RANK_ENV):
-        sanity.fault_rank({sanity.FAULT_RANK_ENV: "one"})
+    assert collective_checks.fault_rank({}) is None
+    assert collective_checks.fault_rank({collective_checks.FAULT_RANK_ENV: ""}) is None
+    assert collective_checks.fault_rank({collective_checks.FAULT_RANK_ENV: "3"}) == 3
+    with pytest.raises(BadConfigError, match=collective_checks.FAULT_RANK_ENV):
+        collective_checks.fault_rank({collective_checks.FAULT_RANK_ENV: "one"})
 
 
 # ----------------------------------------------------------------------------- closed forms and parsing
 
 @pytest.mark.parametrize("world_size", [1, 2, 6, 7, 8, 13, 32, 64, 2048])
 def test_rank_weight_sum_closed_form(world_size):
-    assert sanity.sum_rank_weights(world_size) == sum(sanity.rank_weight(r) for r in range(world_size))
+    assert collective_checks.sum_rank_weights(world_size) == sum(collective_checks.rank_weight(r) for r in range(world_size))
     # Every all_reduce element stays an exact fp32 integer even at 2048 ranks.
-    assert sanity.sum_rank_weights(world_size) * 13 < 2**24
+    assert collective_checks.sum_rank_weights(world_size) * 13 < 2**24
 
 
 def test_expected_world_size_precedence():
@@ -138,8 +139,8 @@ def test_expected_world_size_precedence():
 
 
 def test_sanity_judges_hosts_by_the_shared_instance_table():
-    assert sanity.INSTANCE_TYPES is pipeline_contract.INSTANCE_TYPES
-    counts = {name: (s.neuron_devices, s.neuron_cores, s.efa_interfaces) for name, s in sanity.INSTANCE_TYPES.items()}
+    assert pipeline_contract.INSTANCE_TYPES is pipeline_contract.INSTANCE_TYPES
+    counts = {name: (s.neuron_devices, s.neuron_cores, s.efa_interfaces) for name, s in pipeline_contract.INSTANCE_TYPES.items()}
     assert counts == {"trn1.32xlarge": (16, 32, 8), "trn1n.32xlarge": (16, 32, 16), "trn1.2xlarge": (1, 2, 0)}
 
 
@@ -157,10 +158,10 @@ def test_mount_of_picks_the_longest_mount_point():
         fs-0123.fsx.us-east-1.amazonaws.com@tcp:/abcdefgh /fsx lustre rw,noatime,flock 0 0
         tmpfs /fsx\\040scratch tmpfs rw 0 0
     """)
-    assert sanity.mount_of("/fsx/runs/r1", mounts) == ("/fsx", "lustre")
-    assert sanity.mount_of("/fsx", mounts) == ("/fsx", "lustre")
-    assert sanity.mount_of("/fsxother", mounts) == ("/", "overlay")
-    assert sanity.mount_of("/fsx scratch/x", mounts) == ("/fsx scratch", "tmpfs")
+    assert host_checks.mount_of("/fsx/runs/r1", mounts) == ("/fsx", "lustre")
+    assert host_checks.mount_of("/fsx", mounts) == ("/fsx", "lustre")
+    assert host_checks.mount_of("/fsxother", mounts) == ("/", "overlay")
+    assert host_checks.mount_of("/fsx scratch/x", mounts) == ("/fsx scratch", "tmpfs")
 
 
 NCCOM_OK = """\
@@ -176,9 +177,9 @@ NCCOM_BROKEN = """\
 
 
 def test_parse_nccom_output():
-    ok = sanity.parse_nccom_output(NCCOM_OK)
+    ok = host_checks.parse_nccom_output(NCCOM_OK)
     assert ok["rows"][0]["busbw"] == 40.69 and ok["avg_busbw"] == pytest.approx(40.6901) and not ok["errors"]
-    broken = sanity.parse_nccom_output(NCCOM_BROKEN)
+    broken = host_checks.parse_nccom_output(NCCOM_BROKEN)
     assert broken["rows"] == [] and broken["errors"]
 
 
@@ -207,16 +208,16 @@ def fake_host(tmp_path, monkeypatch):
     dev = tmp_path / "dev"
     dev.mkdir()
     monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
-    monkeypatch.setattr(sanity, "INFINIBAND_DIR", infiniband)
-    monkeypatch.setattr(sanity, "NEURON_DEV_DIR", dev)
+    monkeypatch.setattr(host_checks, "INFINIBAND_DIR", infiniband)
+    monkeypatch.setattr(host_checks, "NEURON_DEV_DIR", dev)
     return bin_dir, infiniband
 
 
 def run_host_checks(instance_type: str | None, *, fsx_path: str | None = None,
-                    floor: float | None = None) -> dict[str, sanity.Check]:
-    report = sanity.Report(rank=0, local_rank=0, world_size=1, backend="cpu")
+                    floor: float | None = None) -> dict[str, health_report.Check]:
+    report = health_report.Report(rank=0, local_rank=0, world_size=1, backend="cpu")
     spec = pipeline_contract.INSTANCE_TYPES[instance_type] if instance_type else None
-    sanity.HostChecks(report, spec, instance_type, fsx_path, floor, iterations=1,
+    host_checks.HostChecks(report, spec, instance_type, fsx_path, floor, iterations=1,
                       deadline=time.monotonic() + 60).run_all()
     return {c.name: c for c in report.checks}
 

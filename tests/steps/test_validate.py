@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline_steps import metrics as metrics_lib, validate
+from pipeline_steps import quality_gate, retrieval_metrics
 from pipeline_steps.__main__ import main as cli
 from pipeline_steps.errors import BadConfigError, BadInputError
 from pipeline_steps.fileio import read_json
@@ -119,56 +119,56 @@ def test_previous_from_s3_and_gate_upload(trained_run: Path, monkeypatch):
                          and r.data.tags.get("pipeline.run_id") == trained_run.name]
             assert parent.info.status == "FINISHED" and parent.data.tags["pipeline.outcome"] == "model_rejected"
         # A previous object that does not exist yet (the first production run) is not an error.
-        assert validate.load_previous("s3://artifacts/models/none.json") is None
+        assert quality_gate.load_previous("s3://artifacts/models/none.json") is None
 
 
 def test_decide_gate_rules():
     model = {"recall@10": 0.50, "ndcg@10": 0.40, "mrr": 0.3, "accuracy": None}
     baseline = {"recall@10": 0.45, "ndcg@10": 0.41}
     # Exactly previous - tolerance passes (>=); tolerance is absolute.
-    passed, reasons, _ = validate.decide_gate(model, baseline=baseline, previous={"recall@10": 0.501, "ndcg@10": 0.3},
+    passed, reasons, _ = quality_gate.decide_gate(model, baseline=baseline, previous={"recall@10": 0.501, "ndcg@10": 0.3},
                                               gated=("recall@10", "ndcg@10"), tolerance=0.001, floors={},
                                               sanity_floor=None)
     assert passed, reasons
-    passed, reasons, _ = validate.decide_gate(model, baseline=baseline, previous={"recall@10": 0.5012, "ndcg@10": 0.3},
+    passed, reasons, _ = quality_gate.decide_gate(model, baseline=baseline, previous={"recall@10": 0.5012, "ndcg@10": 0.3},
                                               gated=("recall@10", "ndcg@10"), tolerance=0.001, floors={},
                                               sanity_floor=None)
     assert not passed and "FAILED regression: recall@10" in reasons[0]
     # Floors: a number, or "bm25" = beat the baseline; a floor on a metric the model lacks fails.
-    passed, reasons, _ = validate.decide_gate(model, baseline=baseline, previous=None, gated=(),
+    passed, reasons, _ = quality_gate.decide_gate(model, baseline=baseline, previous=None, gated=(),
                                               tolerance=0.001, floors={"recall@10": "bm25", "ndcg@10": "bm25"},
                                               sanity_floor=None)
     assert not passed and [r.split(":")[0] for r in reasons[1:]] == ["ok floor", "FAILED floor"]
-    passed, reasons, _ = validate.decide_gate(model, baseline=baseline, previous=None, gated=(), tolerance=0.001,
+    passed, reasons, _ = quality_gate.decide_gate(model, baseline=baseline, previous=None, gated=(), tolerance=0.001,
                                               floors={"accuracy": 0.5}, sanity_floor=None)
     assert not passed and "accuracy is not available" in reasons[-1]
     # Sanity: strictly above the threshold.
-    assert not validate.decide_gate({"recall@10": 0.1}, baseline={}, previous=None, gated=(), tolerance=0.0,
+    assert not quality_gate.decide_gate({"recall@10": 0.1}, baseline={}, previous=None, gated=(), tolerance=0.0,
                                     floors={}, sanity_floor=0.1)[0]
     # A previous model without a gated metric is noted, not failed.
-    passed, reasons, _ = validate.decide_gate(model, baseline=baseline, previous={"recall@10": 0.2}, gated=("mrr",),
+    passed, reasons, _ = quality_gate.decide_gate(model, baseline=baseline, previous={"recall@10": 0.2}, gated=("mrr",),
                                               tolerance=0.001, floors={}, sanity_floor=None)
     assert passed and "has no mrr" in reasons[0]
 
 
 def test_bad_flags_and_previous_files(trained_run: Path):
     with pytest.raises(BadConfigError, match="KEY=VALUE"):
-        validate.parse_floors(["recall@7=0.2"], None)
+        quality_gate.parse_floors(["recall@7=0.2"], None)
     with pytest.raises(BadConfigError, match="number in"):
-        validate.parse_floors(["recall@10=high"], None)
-    assert validate.parse_floors([], 0.3) == {"recall@10": 0.3}
+        quality_gate.parse_floors(["recall@10=high"], None)
+    assert quality_gate.parse_floors([], 0.3) == {"recall@10": 0.3}
     assert _validate(trained_run, "--floor", "nope=1") == 78
     assert _validate(trained_run, "--gate-metric", "recall@10,loss") == 78
     bad = trained_run / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(BadInputError, match="not valid JSON"):
-        validate.load_previous(str(bad))
+        quality_gate.load_previous(str(bad))
     bad.write_text(json.dumps({"metrics": {"loss": 1.0}}))
     with pytest.raises(BadInputError, match="none of the metrics"):
-        validate.load_previous(str(bad))
+        quality_gate.load_previous(str(bad))
     flat = trained_run / "flat.json"
     flat.write_text(json.dumps({"recall@10": 0.5, "other": 1}))
-    assert validate.load_previous(str(flat)) == {"recall@10": 0.5}
+    assert quality_gate.load_previous(str(flat)) == {"recall@10": 0.5}
 
 
 def test_tokenizer_mismatch_is_a_clear_error(trained_run: Path, caplog):
@@ -189,7 +189,7 @@ def test_compare_with_itself_is_parity(first_validation, trained_run: Path):
     report = read_json(trained_run / "validation" / "compare.json")
     assert report["passed"] is True and report["max_abs_delta"] == 0.0
     assert all(v == 0.0 for v in report["deltas"].values())
-    assert set(report["deltas"]) == set(metrics_lib.METRIC_KEYS)
+    assert set(report["deltas"]) == set(retrieval_metrics.METRIC_KEYS)
     assert report["embedding_agreement"]["products"]["mean_cosine"] == pytest.approx(1.0, abs=1e-6)
     assert report["a"]["metrics"] == pytest.approx(first_validation["metrics"]["metrics"])
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from pipeline_steps import __main__ as cli
-from pipeline_steps import aot_compile
+from pipeline_steps import compile_trial
 from pipeline_steps import distributed as dist_lib
-from pipeline_contract import CHECKPOINTS_DIR, COMPILE_DIR, COMPILE_REPORT, PREPARED_DIR
+from pipeline_contract import CHECKPOINTS_DIR, COMPILE_REPORT, PREPARED_DIR
 from pipeline_steps.errors import ExitCode
 from pipeline_steps.fileio import read_json
 
@@ -42,7 +42,7 @@ def test_compile_traces_the_same_graphs_on_every_rerun(tiny_run_local, tmp_path:
     # earlier one is removed.
     assert not (rerun_dir / CHECKPOINTS_DIR).exists()
     trial = Path(second["trial_dir"])
-    assert trial.parent == rerun_dir / aot_compile.TRIALS_DIR and (trial / CHECKPOINTS_DIR).is_dir()
+    assert trial.parent == rerun_dir / compile_trial.TRIALS_DIR and (trial / CHECKPOINTS_DIR).is_dir()
     assert [p.name for p in trial.parent.iterdir()] == [trial.name]
 
 
@@ -55,11 +55,11 @@ def test_compile_on_an_eager_backend_is_a_recorded_no_op(tiny_run: Path) -> None
 def test_neuron_trial_is_the_training_command_verbatim(tmp_path: Path) -> None:
     train_args = ["--run-dir", "/fsx/runs/r1", "--preset", "base", "--backend", "xla", "--init-from", "/fsx/runs/prev",
                   "--bf16", "--lr", "3e-4"]
-    assert aot_compile.training_argv([*train_args[:4], "--steps", "12", *train_args[4:]]) == train_args
+    assert compile_trial.training_argv([*train_args[:4], "--steps", "12", *train_args[4:]]) == train_args
     environ = {"TORCHRUN_ARGS": "--nnodes 4 --node_rank 1 --nproc_per_node 32 --master_addr 10.0.0.5 "
                                 "--master_port 29500",
                "NEURON_CC_FLAGS": "--target trn1 --optlevel 1"}
-    cmd, env = aot_compile.neuron_command(train_args, tmp_path / "trial", 12, environ)
+    cmd, env = compile_trial.neuron_command(train_args, tmp_path / "trial", 12, environ)
     # Launched as the Train job launches `train`: the launcher (torchrun) with the node's arguments.
     assert cmd[:4] == ["neuron_parallel_compile", sys.executable, "-m", "pipeline_steps.launch"]
     assert cmd[4:14] == environ["TORCHRUN_ARGS"].split()
@@ -114,7 +114,7 @@ def _node(run_dir: Path, index: int, start, done, results) -> None:
     start.wait()
     time.sleep(0.1 * ((index * 3) % 4))  # main node neither first nor last
     try:
-        trial = aot_compile.prepare_trial(run_dir, environ)
+        trial = compile_trial.prepare_trial(run_dir, environ)
         (trial / CHECKPOINTS_DIR).mkdir(exist_ok=True)
         (trial / CHECKPOINTS_DIR / f"written-by-node-{index}").write_text("x")
         results.put((index, str(trial)))
@@ -129,7 +129,7 @@ def test_nodes_preparing_one_trial_at_once_share_it_and_delete_nothing_of_each_o
     trial is cleaned up."""
     run_dir = tmp_path / "run"
     (run_dir / PREPARED_DIR).mkdir(parents=True)
-    earlier = aot_compile.trial_dir(run_dir, "0a1b2c-attempt1")
+    earlier = compile_trial.trial_dir(run_dir, "0a1b2c-attempt1")
     ctx = multiprocessing.get_context("fork")
     start, done, results = ctx.Barrier(4), ctx.Barrier(4), ctx.Queue()
     nodes = [ctx.Process(target=_node, args=(run_dir, i, start, done, results)) for i in range(4)]
@@ -138,7 +138,7 @@ def test_nodes_preparing_one_trial_at_once_share_it_and_delete_nothing_of_each_o
     for node in nodes:
         node.join(60)
     outcome = dict(results.get(timeout=5) for _ in nodes)
-    trial = run_dir / aot_compile.TRIALS_DIR / "0a1b2c-attempt2"
+    trial = run_dir / compile_trial.TRIALS_DIR / "0a1b2c-attempt2"
     assert outcome == {i: str(trial) for i in range(4)}
     assert sorted(p.name for p in (trial / CHECKPOINTS_DIR).iterdir()) == [f"written-by-node-{i}" for i in range(4)]
     assert (trial / PREPARED_DIR).resolve() == (run_dir / PREPARED_DIR).resolve()

@@ -16,15 +16,15 @@ from __future__ import annotations
 import argparse
 import logging
 
-from . import distributed as dist_lib, tracking
-from .config import to_dict
+from .. import distributed as dist_lib, tracking
+from ..config import to_dict
 from pipeline_contract import COMPILE_CACHE_DIR, TRAIN_METRICS
-from .heartbeat import Heartbeat
-from .model import count_parameters
-from .trainer import Trainer, add_train_args, resolve_train_config, run_training
-from .watchdog import Watchdog
+from ..heartbeat import Heartbeat
+from ..model import count_parameters
+from ..trainer import Trainer, add_train_args, resolve_train_config, run_training
+from ..watchdog import Watchdog
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pipeline_steps.train")
 # The curves of the MLflow child run: streamed every log_every steps while training runs (a
 # RUNNING run shows them), from values the loop already holds on the host.
 STREAMED_METRICS = ("loss", "lr", "tokens_per_s")

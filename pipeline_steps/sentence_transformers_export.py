@@ -1,18 +1,10 @@
-"""Step `export`: the trained towers as sentence-transformers folders that serving stacks load.
-
-Writes OUT/query/, OUT/product/ (only for a model without explicit product features) and
-OUT/export.json from a checkpoint (a .pt file or a run dir); OUT is replaced as a whole.
-`--s3-uri` also uploads OUT (the marker _SUCCESS last); `--run-dir` closes the pipeline's MLflow run.
-Folder layout, publishing and exit codes: docs/training.md, "Exporting the model".
-
-Local:  python -m pipeline_steps export --checkpoint runs/demo --out runs/demo/export
-AWS:    job "export" after Embed: python -m pipeline_steps export --run-dir /fsx/runs/<run_id>
-        --checkpoint /fsx/runs/<run_id> --out /fsx/runs/<run_id>/export --s3-uri s3://<artifacts>/runs/<run_id>/export/
-"""
+"""A checkpoint as sentence-transformers folders that serving stacks load: the query tower (and the
+product tower of a model without explicit product features) with their tokenizer files and
+export.json, written into a staging directory and renamed onto OUT; and their upload to S3 (the
+marker last). Folder layout: docs/training.md, "Exporting the model"."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -23,15 +15,15 @@ from typing import Any
 
 import torch
 
+from pipeline_contract import SUCCESS_MARKER
 from .config import ModelConfig, from_dict
-from pipeline_contract import GATE_REPORT
-from .errors import BadConfigError, BadInputError
+from .errors import BadInputError
 from .fileio import fsync_dir, sha256_file
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pipeline_steps.export")
 
 FORMAT_VERSION = 1
-MARKER = "_SUCCESS"
+MARKER = SUCCESS_MARKER
 """Written last under --s3-uri: its presence means every file of the export is in S3."""
 GELU = "torch.nn.modules.activation.GELU"
 IDENTITY = "torch.nn.modules.linear.Identity"
@@ -73,7 +65,7 @@ def _layer(state: dict[str, torch.Tensor], i: int, post_norm: bool) -> dict[str,
 
 def hf_encoder(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(config.json, tensors) of a stock transformers model computing the same token states as the
-    TextEncoder with `state` (its state_dict). Segment embeddings are one zero row (one text per
+    TransformerEncoder with `state` (its state_dict). Segment embeddings are one zero row (one text per
     input); the pooler is zeros and unused (the towers mean-pool)."""
     hidden = cfg.hidden_size
     post_norm = cfg.norm_position == "post"
@@ -177,7 +169,7 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-# ----------------------------------------------------------------------------- the step
+# ----------------------------------------------------------------------------- the folders
 
 def export(checkpoint_or_run_dir: str | os.PathLike, out: Path) -> dict[str, Any]:
     """Write OUT (replacing it) and return export.json's content."""
@@ -255,50 +247,3 @@ def upload(out: Path, s3_uri: str) -> list[str]:
     keys.append(prefix + MARKER)
     log.info("export uploaded to s3://%s/%s (%d objects, %s last)", bucket, prefix, len(keys), MARKER)
     return keys
-
-
-def finish_pipeline_run(run_dir: Path, report: dict[str, Any], out: Path, s3_uri: str | None) -> None:
-    """The export's child run, then the pipeline's MLflow run closed as FINISHED with the gate's
-    metrics (GATE_REPORT): on AWS the export is the last Batch job of a run that passed
-    the gate. Tracking never fails the step."""
-    from . import tracking
-    from .fileio import read_json
-
-    gate_path = Path(run_dir) / GATE_REPORT
-    metrics = (read_json(gate_path).get("metrics") or {}) if gate_path.is_file() else {}
-    tracking.log_step("export", Path(run_dir), params={
-        "checkpoint": report["checkpoint"], "checkpoint_sha256": report["checkpoint_sha256"],
-        "towers": ",".join(report["towers"]), "out": str(out), "s3_uri": s3_uri})
-    tracking.log_pipeline(Path(run_dir), metrics=metrics, status="FINISHED", tags={tracking.OUTCOME_TAG: "exported"})
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline_steps export", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, type=Path,
-                        help="a checkpoint .pt, or a run dir (its newest valid checkpoint)")
-    parser.add_argument("--out", required=True, type=Path, help="output directory (replaced)")
-    parser.add_argument("--s3-uri", metavar="s3://BUCKET/PREFIX/",
-                        help="also upload OUT there (files first, the marker _SUCCESS last)")
-    parser.add_argument("--run-dir", type=Path,
-                        help="the pipeline run this export ends: log it and close the run's MLflow run")
-    args = parser.parse_args(argv)
-    if args.s3_uri:
-        _check_s3_prefix(args.s3_uri)
-    report = export(args.checkpoint, args.out)
-    log.info("exported %s (step %s) to %s: %s; %s", report["checkpoint"], report["step"], args.out,
-             ", ".join(report["towers"]), report["product_tower"])
-    if args.s3_uri:
-        # Uploaded here, not left to the FSx auto-export to S3, which is asynchronous: with the marker
-        # last, the published pointer names a complete export as soon as the job succeeded.
-        upload(args.out, args.s3_uri)
-    if args.run_dir is not None:
-        finish_pipeline_run(args.run_dir, report, args.out, args.s3_uri)
-    return 0
-
-
-def _check_s3_prefix(uri: str) -> None:
-    # Checked before the export, so a typo costs seconds, not a model load.
-    if not uri.startswith("s3://") or not uri[len("s3://"):].partition("/")[0]:
-        raise BadConfigError(f"--s3-uri {uri!r}: expected s3://bucket/prefix/ (e.g. "
-                             "s3://my-artifacts/runs/<run_id>/export/)")

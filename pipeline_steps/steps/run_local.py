@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import cost, tracking
+from .. import cost, tracking
 from pipeline_contract import (COMPILE_REPORT, EMBEDDINGS_DIR, EMBEDDINGS_MANIFEST, GATE_REPORT, TRAIN_SUMMARY,
                        VALIDATION_METRICS)
-from .errors import BadConfigError, ExitCode
-from .fileio import atomic_write_json, read_json
+from ..errors import BadConfigError, ExitCode
+from ..fileio import atomic_write_json, read_json
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pipeline_steps.run_local")
 
 
 @dataclass

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline_steps import metrics
+from pipeline_steps import retrieval_metrics as metrics
 
 # Three queries over five products, ranked best first.
 RANKED = np.array([

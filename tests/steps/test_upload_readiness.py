@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pipeline_contract import SUCCESS_MARKER, SUCCESS_MARKER_ENV
-from pipeline_steps import upload
+from pipeline_steps import upload_readiness
 from pipeline_steps.__main__ import main as cli
 from pipeline_steps.demo_data import generate
 from pipeline_steps.errors import BadInputError, ExitCode, RetryableError
@@ -25,7 +25,7 @@ def _upload(root: Path) -> tuple[Path, dict[str, bytes]]:
     for rel, data in files.items():
         (staging / rel).parent.mkdir(parents=True, exist_ok=True)
         (staging / rel).write_bytes(data)
-    files[SUCCESS_MARKER] = json.dumps(upload.manifest_for(staging)).encode()
+    files[SUCCESS_MARKER] = json.dumps(upload_readiness.manifest_for(staging)).encode()
     return staging, files
 
 
@@ -55,7 +55,7 @@ def test_prepare_waits_until_every_file_of_the_manifest_is_imported(tmp_path):
     _, files = _upload(tmp_path)
     target = tmp_path / "fsx" / "incoming" / "catalog" / "v1"
     fake = FakeImport(target, files)
-    upload.wait_for_upload(target, timeout_s=100, poll_s=1, sleep=fake.sleep, clock=fake.clock)
+    upload_readiness.wait_for_upload(target, timeout_s=100, poll_s=1, sleep=fake.sleep, clock=fake.clock)
     # Returned only when the last object was there with its full size, not at the marker.
     assert not fake.steps and fake.polls == len(files) + 1
     assert {rel: (target / rel).read_bytes() for rel in files} == files
@@ -69,7 +69,7 @@ def test_an_upload_still_incomplete_at_the_bound_exits_75_naming_what_is_missing
     fake = FakeImport(staging, {})
     with pytest.raises(RetryableError, match=r"missing pairs/part-00000.jsonl \(absent\), "
                                              r"products/part-00001.jsonl \(10 of \d+ bytes\)"):
-        upload.wait_for_upload(staging, timeout_s=5, poll_s=1, sleep=fake.sleep, clock=fake.clock)
+        upload_readiness.wait_for_upload(staging, timeout_s=5, poll_s=1, sleep=fake.sleep, clock=fake.clock)
     assert fake.polls == 5
     # Through the step: exit 75, which the Batch retry strategy retries; the message names the flag.
     code = cli(["prepare", "--run-dir", str(tmp_path / "run"), "--data", str(staging)])
@@ -88,7 +88,7 @@ def test_an_empty_marker_waits_for_a_listing_that_stops_changing(tmp_path):
     files[SUCCESS_MARKER] = b""
     target = tmp_path / "fsx"
     fake = FakeImport(target, files)
-    upload.wait_for_upload(target, timeout_s=100, poll_s=1, sleep=fake.sleep, clock=fake.clock)
+    upload_readiness.wait_for_upload(target, timeout_s=100, poll_s=1, sleep=fake.sleep, clock=fake.clock)
     assert not fake.steps and fake.polls == len(files) + 2  # one more poll: the listing is unchanged
 
 
@@ -104,7 +104,7 @@ def test_a_file_whose_checksum_differs_from_the_manifest_is_bad_input(tmp_path, 
 def test_a_marker_that_is_not_a_manifest_is_bad_input(tmp_path):
     (tmp_path / SUCCESS_MARKER).write_text("done")
     with pytest.raises(BadInputError, match="neither empty nor a manifest"):
-        upload.wait_for_upload(tmp_path, timeout_s=0)
+        upload_readiness.wait_for_upload(tmp_path, timeout_s=0)
 
 
 def test_the_stage_s_marker_is_the_one_prepare_waits_for(tmp_path, monkeypatch):
@@ -115,6 +115,6 @@ def test_the_stage_s_marker_is_the_one_prepare_waits_for(tmp_path, monkeypatch):
     monkeypatch.setenv(SUCCESS_MARKER_ENV, "_DONE")
     fake = FakeImport(staging, {})
     with pytest.raises(RetryableError, match="missing _DONE"):
-        upload.wait_for_upload(staging, timeout_s=3, poll_s=1, sleep=fake.sleep, clock=fake.clock)
+        upload_readiness.wait_for_upload(staging, timeout_s=3, poll_s=1, sleep=fake.sleep, clock=fake.clock)
     (staging / SUCCESS_MARKER).rename(staging / "_DONE")
-    upload.wait_for_upload(staging, timeout_s=3, poll_s=1, sleep=fake.sleep, clock=fake.clock)
+    upload_readiness.wait_for_upload(staging, timeout_s=3, poll_s=1, sleep=fake.sleep, clock=fake.clock)

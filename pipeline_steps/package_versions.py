@@ -2,7 +2,7 @@
 
 Read from package metadata only, never by importing them: `prepare` records them for its
 tracking run without paying for `import torch` (~0.9 GB RSS). The image build checks the base
-image's with `python -m pipeline_steps.packages --expect PKG==VERSION ...` (exit 78 on a mismatch).
+image's with `python -m pipeline_steps.package_versions --expect PKG==VERSION ...` (exit 78 on a mismatch).
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ def _version(pkg: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m pipeline_steps.packages --expect neuronx-cc==2.24.8799.0 'torch==2.9.*'`: exit 78
+    """`python -m pipeline_steps.package_versions --expect neuronx-cc==2.24.8799.0 'torch==2.9.*'`: exit 78
     naming every package whose installed version differs."""
-    parser = argparse.ArgumentParser(prog="python -m pipeline_steps.packages", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m pipeline_steps.package_versions", description=main.__doc__)
     parser.add_argument("--expect", nargs="+", default=[], metavar="PKG==VERSION")
     args = parser.parse_args(argv)
     problems = mismatches(dict(spec.split("==", 1) for spec in args.expect))

@@ -16,8 +16,8 @@ import json
 import sys
 from pathlib import Path
 
-from .diagnosis import NodeLog, classify, load_rules
-from .errors import BadConfigError, BadInputError
+from ..diagnosis import NodeLog, classify, load_rules
+from ..errors import BadConfigError, BadInputError
 
 
 def build_parser() -> argparse.ArgumentParser:

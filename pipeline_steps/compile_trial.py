@@ -1,16 +1,9 @@
-"""The `compile` step: trace (on Trainium: compile) every graph `train` will need, ahead of time.
-
-Takes exactly `train`'s arguments (+ `--steps N`, default 10) and writes DIR/compile/compile.json.
-One trial on every backend (a training step per length bucket, plain steps up to --steps, a
+"""The compile step's trial: every graph `train` will need, traced (on Trainium: compiled) ahead of
+time. One trial on every backend (a training step per length bucket, plain steps up to --steps, a
 holdout forward per bucket, a checkpoint) in a run dir all nodes share (DIR/compile/trial/<job
 attempt>/): on Trainium every node runs it under neuron_parallel_compile and torchrun, as Train is
-launched, and the tool compiles what it traced into the persistent cache; on XLA CPU in-process;
-eager backends have nothing to compile. Exit codes are `train`'s, plus 78 for a graph the Neuron
-compiler rejects (not retried) and 75 for a killed trial (retried).
-
-Local:  PJRT_DEVICE=CPU python -m pipeline_steps compile --run-dir runs/demo --preset tiny --backend xla
-AWS:    python -m pipeline_steps compile --run-dir /fsx/runs/<run_id> --preset base --backend xla --bf16  # every node
-"""
+launched, and the tool compiles what it traced into the persistent cache; on XLA CPU in-process.
+The step: pipeline_steps/steps/compile.py."""
 
 from __future__ import annotations
 
@@ -30,18 +23,17 @@ from pathlib import Path
 from typing import Any
 
 from . import distributed as dist_lib
-from pipeline_contract import COMPILE_CACHE_DIR, COMPILE_DIR, COMPILE_REPORT, PREPARED_DIR
+from pipeline_contract import COMPILE_CACHE_DIR, COMPILE_DIR, PREPARED_DIR
 from .errors import EXIT_CODE_FILE_ENV, BadConfigError, ExitCode, RetryableError, StepError
-from . import tracking
 from .fileio import atomic_write_json, read_json
-from .trainer import Trainer, add_train_args, resolve_train_config
+from .trainer import Trainer, resolve_train_config
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pipeline_steps.compile")
 
 # Flags that belong to `compile` only; everything else on its command line is the training command.
-_COMPILE_ONLY = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-_COMPILE_ONLY.add_argument("--steps", type=int, default=10, help="training steps in the trial (default 10)")
-_COMPILE_ONLY.add_argument("--trial-dir", type=Path, default=None,
+COMPILE_ONLY = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+COMPILE_ONLY.add_argument("--steps", type=int, default=10, help="training steps in the trial (default 10)")
+COMPILE_ONLY.add_argument("--trial-dir", type=Path, default=None,
                            help="run the trial in this process, in DIR (what neuron_parallel_compile runs on "
                                 "every rank); without it the step sets up the trial itself")
 TRIALS_DIR = f"{COMPILE_DIR}/trial"
@@ -149,7 +141,7 @@ def _trace(args: argparse.Namespace, trial: Path, world: dist_lib.World) -> dict
 
 def training_argv(argv: list[str]) -> list[str]:
     """`compile`'s command line without its own flags: the `train` arguments, verbatim and in order."""
-    return _COMPILE_ONLY.parse_known_args(argv)[1]
+    return COMPILE_ONLY.parse_known_args(argv)[1]
 
 
 def neuron_command(train_argv: list[str], trial: Path, steps: int,
@@ -218,33 +210,3 @@ def compile_on_neuron(args: argparse.Namespace, train_argv: list[str]) -> dict[s
     return {"mode": "neuron_parallel_compile", "command": cmd, "neuron_cc_flags": env.get("NEURON_CC_FLAGS"),
             "cache_url": env.get("NEURON_COMPILE_CACHE_URL"), "seconds": time.monotonic() - started,
             "trial": read_json(trial_report) if trial_report.exists() else None}
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m pipeline_steps compile", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     parents=[_COMPILE_ONLY])
-    add_train_args(parser)
-    args = parser.parse_args(argv)
-    backend = args.backend or dist_lib.default_backend()
-    if backend != "xla":
-        report: dict[str, Any] = {"mode": "skipped", "reason": f"backend {backend} runs eagerly: nothing to compile"}
-        log.info("compile: %s", report["reason"])
-    elif args.trial_dir is not None:  # one rank of the Neuron trial; the node's compile step reports
-        run_trial(args, args.trial_dir)
-        return 0
-    elif dist_lib.neuron_available():
-        report = compile_on_neuron(args, training_argv(argv))
-    else:
-        report = {"mode": "xla-cpu-trial", **run_trial(args, prepare_trial(args.run_dir, os.environ))}
-        log.info("compile: %d graphs traced in %d train steps + 1 validation step + 1 checkpoint (%.1fs)",
-                 report["graphs_compiled"], report["train_steps"], report["seconds"])
-    if not is_main_node(os.environ):  # every node ran the same trial; the main node reports it
-        return 0
-    report["versions"] = dist_lib.versions()
-    atomic_write_json(args.run_dir / COMPILE_REPORT, report)
-    # ---- tracking: this step as a child run of the pipeline's MLflow run (never fails the step)
-    tracking.log_step("compile", args.run_dir, params={"backend": backend, "preset": args.preset, "steps": args.steps},
-                      metrics=tracking.flatten(report))
-    return 0

@@ -16,22 +16,20 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import logging
-import math
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from . import distributed as dist_lib
-from pipeline_contract import PREPARED_DIR, TRAIN_SUMMARY, VALIDATION_METRICS
-from .errors import BadConfigError, ExitCode, StepError
-from .fileio import atomic_write_json
+from .. import distributed as dist_lib
+from pipeline_contract import PREPARED_DIR, VALIDATION_METRICS
+from ..errors import BadConfigError, ExitCode, StepError
+from ..fileio import atomic_write_json
+from ..parity_report import build_report, missing_runs, run_dir_for
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pipeline_steps.parity")
 
 DEFAULT_TOLERANCE = 0.001
 """Absolute, on metrics in [0, 1]: 0.1 points, the bound `validate` gates regressions with."""
@@ -39,15 +37,11 @@ DEFAULT_TOLERANCE = 0.001
 
 # ----------------------------------------------------------------------------- the runs
 
-def run_dir_for(root: Path, backend: str, seed: int) -> Path:
-    return root / "parity" / f"{backend}-seed{seed}"
-
-
 def _run_step(step: str, args: Sequence[str], nproc_per_node: int = 1) -> None:
     """`python -m pipeline_steps STEP ARGS`: in this process (so XLA compiles each graph once for all
     seeds), or under torchrun with `nproc_per_node` workers."""
     if nproc_per_node <= 1:
-        from .__main__ import STEPS
+        from ..__main__ import STEPS
 
         log.info("running %s %s", step, " ".join(args))
         importlib.import_module(STEPS[step][0]).main(list(args))
@@ -87,65 +81,6 @@ def train_and_score(root: Path, backend: str, seed: int, opts: argparse.Namespac
     _run_step("validate", ["--run-dir", str(run_dir), "--backend", opts.eval_backend or backend,
                            "--gate-report-only", "--no-sanity-floor"])
     return metrics_path
-
-
-def load_run_metrics(root: Path, backend: str, seed: int) -> dict[str, float] | None:
-    """Holdout metrics and final training losses of one run; None when it has not run yet."""
-    run_dir = run_dir_for(root, backend, seed)
-    metrics_path = run_dir / VALIDATION_METRICS
-    if not metrics_path.exists():
-        return None
-    metrics = {k: v for k, v in json.loads(metrics_path.read_text("utf-8"))["metrics"].items()
-               if isinstance(v, (int, float)) and v is not None}
-    summary_path = run_dir / TRAIN_SUMMARY
-    if summary_path.exists():
-        summary = json.loads(summary_path.read_text("utf-8"))
-        for key in ("final_loss", "holdout_loss"):
-            if isinstance(summary.get(key), (int, float)):
-                metrics[key] = summary[key]
-    return metrics
-
-
-# ----------------------------------------------------------------------------- the statistics
-
-def _spread(values: list[float]) -> float:
-    """Sample standard deviation (0 for one value: no spread measured)."""
-    return statistics.stdev(values) if len(values) > 1 else 0.0
-
-
-def compare_metric(a: list[float], b: list[float], tolerance: float) -> dict[str, Any]:
-    """Means, spreads and the verdicts for one metric over the seeds of backends A and B."""
-    mean_a, mean_b = statistics.fmean(a), statistics.fmean(b)
-    spread_a, spread_b = _spread(a), _spread(b)
-    seed_spread = math.sqrt((spread_a**2 + spread_b**2) / 2)
-    difference = mean_b - mean_a
-    return {
-        "a": {"mean": mean_a, "std": spread_a, "min": min(a), "max": max(a), "values": a},
-        "b": {"mean": mean_b, "std": spread_b, "min": min(b), "max": max(b), "values": b},
-        "difference": difference,
-        "seed_spread": seed_spread,
-        "within_tolerance": abs(difference) <= tolerance,
-        "within_seed_spread": abs(difference) <= seed_spread,
-    }
-
-
-def missing_runs(root: Path, backends: Sequence[str], seeds: list[int]) -> list[str]:
-    return [run_dir_for(root, b, s).name for b in backends for s in seeds
-            if not (run_dir_for(root, b, s) / VALIDATION_METRICS).exists()]
-
-
-def build_report(root: Path, backends: tuple[str, str], seeds: list[int], tolerance: float) -> dict[str, Any]:
-    runs = {b: [load_run_metrics(root, b, s) for s in seeds] for b in backends}
-    a, b = backends
-    names = [k for k in runs[a][0] if all(k in m for m in runs[a] + runs[b])]
-    per_metric = {k: compare_metric([m[k] for m in runs[a]], [m[k] for m in runs[b]], tolerance) for k in names}
-    holdout = [k for k in per_metric if k not in ("final_loss", "holdout_loss")]
-    return {
-        "backends": {"a": a, "b": b}, "seeds": seeds, "tolerance": tolerance, "metrics": per_metric,
-        "all_within_tolerance": all(per_metric[k]["within_tolerance"] for k in holdout),
-        "all_within_seed_spread": all(per_metric[k]["within_seed_spread"] for k in holdout),
-        "runs": {b: [str(run_dir_for(root, b, s)) for s in seeds] for b in backends},
-    }
 
 
 def print_report(report: dict[str, Any]) -> None:
