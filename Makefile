@@ -56,10 +56,10 @@ synth: $(STAMP)
 
 # For reviewers: what the current code changes against the committed template snapshots.
 infra-diff: $(STAMP)
-	$(PY) scripts/infra_diff.py
+	$(PY) -m scripts.infra_diff
 
 snapshots: $(STAMP)
-	$(PY) scripts/infra_diff.py --update
+	$(PY) -m scripts.infra_diff --update
 
 # ---- deploys: the pinned CDK CLI (package-lock.json) and the locked Python set (deploy-constraints.txt)
 CDK := node_modules/.bin/cdk

@@ -4,7 +4,7 @@ the committed snapshots (tests/infra/snapshots/) or those of a git revision: per
 prints (IAM and security-group tables, replacements), per stage the deploy checks (changed exports,
 replaced compute environments). docs/infrastructure.md, "Reviewing changes", explains the output.
 
-    python scripts/infra_diff.py [--base origin/main] [--stage prod] [--update]   # --update = make snapshots
+    python -m scripts.infra_diff [--base origin/main] [--stage prod] [--update]   # --update = make snapshots
 
 Replacing or removing a retained resource (the KMS key, buckets, FSx) fails the check (exit 3) and
 --update refuses to write, unless acknowledged in tests/infra/acknowledged_replacements.json or with
@@ -25,13 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from scripts.stage_synth import SNAPSHOT_STAGES, build, snapshot_path, template_json
+
 REPO = Path(__file__).resolve().parents[1]
-INFRA_TESTS = REPO / "tests" / "infra"
-sys.path.insert(0, str(INFRA_TESTS))
-
-from infra_synth import SNAPSHOT_STAGES, build, snapshot_path, template_json  # noqa: E402
-
-ACKNOWLEDGEMENTS = INFRA_TESTS / "acknowledged_replacements.json"
+ACKNOWLEDGEMENTS = REPO / "tests" / "infra" / "acknowledged_replacements.json"
 RETAINED = {"Retain", "RetainExceptOnCreate", "Snapshot"}
 COMPUTE_ENVIRONMENT = "AWS::Batch::ComputeEnvironment"
 EXIT_CHANGED, EXIT_RETAINED_REPLACED = 1, 3

@@ -1,6 +1,6 @@
 """The dev stage as synthesized, with its CloudFormation references resolvable to local stand-ins.
 
-`synthesize()` builds the dev stage the way tests/infra does (tests/infra/infra_synth.py: the stage
+`synthesize()` builds the dev stage the way tests/infra does (scripts/stage_synth.py: the stage
 config with the test account, a registry image instead of the image asset; the training preset
 tiny) and returns every stack's template. `Stage.resolve(stack, token)` turns Ref / Fn::GetAtt / Fn::ImportValue /
 Fn::Join / Fn::Sub into plain strings from the values bound with `bind`, following exports across
@@ -10,23 +10,17 @@ stacks as CloudFormation does; a reference nobody bound raises KeyError (never a
 from __future__ import annotations
 
 import json
-import re
-import sys
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
-INFRA_TESTS = Path(__file__).resolve().parents[1] / "infra"
-if str(INFRA_TESTS) not in sys.path:
-    sys.path.insert(0, str(INFRA_TESTS))
-
-import aws_cdk as cdk  # noqa: E402
-from infra_synth import (  # noqa: E402
+import aws_cdk as cdk
+from scripts.stage_synth import (
     TEST_DIAGNOSIS_ASSET_HASH, TEST_IMAGE, cdk_json_context, stage_config, template_json,
 )
 
-from stacks.config import StageConfig  # noqa: E402
-from stacks.stages import build_stage  # noqa: E402
+from stacks.config import StageConfig
+from tests.cfn_references import resolve_references
+from stacks.stages import build_stage
 
 STAGE = "dev"
 PSEUDO = {"AWS::Partition": "aws", "AWS::URLSuffix": "amazonaws.com"}
@@ -72,29 +66,20 @@ class Stage:
         raise KeyError(f"no stack exports {name!r}")
 
     def resolve(self, role: str, token: Any) -> Any:
-        """`token` with every intrinsic function replaced; dicts and lists are resolved recursively."""
-        if isinstance(token, list):
-            return [self.resolve(role, item) for item in token]
-        if not isinstance(token, dict):
-            return token
-        if len(token) == 1:
-            (fn, arg), = token.items()
-            if fn == "Ref":
-                if arg in PSEUDO or arg in ("AWS::Region", "AWS::AccountId"):
-                    return {"AWS::Region": self.region, "AWS::AccountId": self.account}.get(arg) or PSEUDO[arg]
-                return self.values[(role, arg)]
-            if fn == "Fn::GetAtt":
-                lid, attribute = arg if isinstance(arg, list) else arg.split(".", 1)
-                return self.values[(role, f"{lid}.{attribute}")]
-            if fn == "Fn::ImportValue":
-                exporter, value = self._export(self.resolve(role, arg))
-                return self.resolve(exporter, value)
-            if fn == "Fn::Join":
-                separator, parts = arg
-                return separator.join(str(self.resolve(role, part)) for part in parts)
-            if fn == "Fn::Sub" and isinstance(arg, str):
-                return re.sub(r"\$\{([^}]+)\}", lambda m: str(self.resolve(role, {"Ref": m.group(1)})), arg)
-        return {key: self.resolve(role, value) for key, value in token.items()}
+        """`token` of the `role` stack with every intrinsic function replaced (tests/cfn_references.py);
+        an import resolves in the exporting stack."""
+
+        def ref(name: str) -> Any:
+            if name in PSEUDO or name in ("AWS::Region", "AWS::AccountId"):
+                return {"AWS::Region": self.region, "AWS::AccountId": self.account}.get(name) or PSEUDO[name]
+            return self.values[(role, name)]
+
+        def import_value(name: str) -> Any:
+            exporter, value = self._export(name)
+            return self.resolve(exporter, value)
+
+        return resolve_references(token, ref=ref, get_att=lambda lid, attribute: self.values[(role, f"{lid}.{attribute}")],
+                                  import_value=import_value)
 
     def state_machine_definition(self, construct) -> dict:
         lid = self.logical_id(construct)

@@ -1,4 +1,4 @@
-"""Two teams share the dev stage (search and ads, tests/infra/infra_synth.py teams_stage_config): a
+"""Two teams share the dev stage (search and ads, scripts/stage_synth.py teams_stage_config): a
 host boots from the synthesized launch template, whose user data gives each team's FSx runs
 directory its project quota (through an `lfs` that enforces it: tests/e2e/lustre_quota.py); team
 search's directory is then full. Both teams upload the same data version at once: search's run fails
@@ -20,8 +20,8 @@ from tests.e2e.conftest import DATASET, PRESET
 from tests.e2e.stage import synthesize
 from tests.e2e.world import E2EWorld, local_run_dir
 
-from infra_synth import teams_stage_config  # tests/infra, on sys.path via tests.e2e.stage
-from node_boot import boot, boot_scripts
+from scripts.stage_synth import teams_stage_config
+from tests.infra.node_boot import boot, boot_scripts
 
 pytestmark = pytest.mark.slow
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

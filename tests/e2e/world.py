@@ -28,7 +28,7 @@ from pipeline_contract import CANARY, FSX_INCOMING, FSX_MOUNT_POINT, TeamPaths, 
 from tests.e2e.local_batch import JobDefinitionSpec, JobRun, LocalBatch, LocalSetup
 from tests.e2e.stage import Stage, synthesize
 
-from moto_batch import eventbridge_starts_executions, patched_moto_batch  # tests/infra, on sys.path via stage
+from tests.infra.moto_batch import eventbridge_starts_executions, patched_moto_batch
 
 MOTO_CONFIG = {"stepfunctions": {"execute_state_machine": True}, "batch": {"use_docker": False}}
 BUCKETS = {"data_bucket": "trnembed-dev-data", "artifacts_bucket": "trnembed-dev-artifacts",

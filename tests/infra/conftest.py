@@ -17,7 +17,7 @@ import pytest
 from aws_cdk import Stack
 from aws_cdk.assertions import Template
 
-from infra_synth import build, stage_config  # noqa: F401 (sets up sys.path and jsii env first)
+from scripts.stage_synth import build, stage_config
 
 _TEMPLATE_CACHE: dict[int, Template] = {}
 
@@ -77,7 +77,7 @@ def prod_templates(prod_stage) -> dict[str, Template]:
 @pytest.fixture(scope="session")
 def teams_app_and_stage():
     """The dev stage with two teams, search and ads (infra_synth.teams_stage_config)."""
-    from infra_synth import teams_stage_config
+    from scripts.stage_synth import teams_stage_config
 
     return build("dev", config=teams_stage_config())
 
@@ -85,7 +85,7 @@ def teams_app_and_stage():
 @pytest.fixture(scope="session")
 def teams_templates(teams_app_and_stage) -> dict[str, dict]:
     """Stack name -> synthesized template of the teams stage."""
-    from infra_synth import template_json
+    from scripts.stage_synth import template_json
 
     app, stacks = teams_app_and_stage
     return {stack.stack_name: template_json(app, stack) for stack in stacks.values()}

@@ -15,7 +15,8 @@ from aws_cdk import aws_logs as logs
 from aws_cdk import aws_s3 as s3
 from aws_cdk.assertions import Template
 
-from infra_synth import TEST_DIAGNOSIS_ASSET_HASH
+from scripts.stage_synth import TEST_DIAGNOSIS_ASSET_HASH
+from tests.cfn_references import resolve_references
 from stacks.constructs.job_definitions import JobDefinitionRef, TeamJobs
 from stacks.pipeline_config import PipelineConfig
 from stacks.pipeline_stack import PipelineStack
@@ -120,19 +121,13 @@ class Synthesized:
         pseudo = {"AWS::Region": ENV.region, "AWS::AccountId": ENV.account, "AWS::Partition": "aws",
                   "AWS::URLSuffix": "amazonaws.com"}
 
-        def resolve(token) -> str:
-            if isinstance(token, str):
-                return token
-            if "Ref" in token:
-                return pseudo.get(token["Ref"]) or values[token["Ref"]]
-            if "Fn::GetAtt" in token:
-                logical_id, attribute = token["Fn::GetAtt"]
-                return values[f"{logical_id}.{attribute}"]
-            if "Fn::ImportValue" in token:
-                return resolve(exports[token["Fn::ImportValue"]])
-            if "Fn::Join" in token:
-                sep, parts = token["Fn::Join"]
-                return sep.join(resolve(p) for p in parts)
-            raise KeyError(f"unsupported token {token}")
+        def import_value(name: str) -> str:
+            return resolve_references(exports[name], ref=ref, get_att=get_att, import_value=import_value)
 
-        return json.loads(resolve(definition))
+        def ref(name: str) -> str:
+            return pseudo.get(name) or values[name]
+
+        def get_att(logical_id: str, attribute: str) -> str:
+            return values[f"{logical_id}.{attribute}"]
+
+        return json.loads(resolve_references(definition, ref=ref, get_att=get_att, import_value=import_value))

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from infra_synth import REPO_ROOT, run_app
+from scripts.stage_synth import REPO_ROOT, run_app
 
 
 def _app(*args: str, context: str | None = None, tmp_path) -> subprocess.CompletedProcess[str]:

@@ -10,7 +10,7 @@ import pytest
 from aws_cdk import App, CfnOutput, CfnResource, Environment, Stack
 from aws_cdk.assertions import Annotations, Match, Template
 
-from infra_synth import TEST_ONLY_AMI_ID, stage_config
+from scripts.stage_synth import TEST_ONLY_AMI_ID, stage_config
 from pipeline_contract import INSTANCE_TYPES
 from stacks.config import NEURON_AMI_SSM_PARAMETER, ComputeConfig, NeuronAmi, StageConfig
 from stacks.constructs.trainium_compute import neuron_machine_image
@@ -444,7 +444,7 @@ def _env(template, key):
 def test_every_job_gets_the_tracking_env_the_steps_read(request, stage):
     """pipeline_steps/tracking.py reads these; INSTANCE_TYPE is the job's own compute environment's
     type (from the instance table), which is also what the CLI prices the job by."""
-    from infra_synth import TEST_IMAGE
+    from scripts.stage_synth import TEST_IMAGE
 
     templates, config = request.getfixturevalue(f"{stage}_templates"), request.getfixturevalue(f"{stage}_config")
     for key in JOB_KEYS:
@@ -492,7 +492,7 @@ def test_a_configured_uri_is_passed_as_is_without_a_server():
     """mlflow_tracking = any other string: used as MLFLOW_TRACKING_URI, no server, no grant."""
     from dataclasses import replace
 
-    from infra_synth import TEST_IMAGE, cdk_json_context, stage_config
+    from scripts.stage_synth import TEST_IMAGE, cdk_json_context, stage_config
     from stacks.stages import build_stage
 
     uri = "https://mlflow.example.internal"

@@ -9,7 +9,7 @@ import re
 import sys
 from importlib import metadata
 
-from infra_synth import REPO_ROOT
+from scripts.stage_synth import REPO_ROOT
 
 _spec = importlib.util.spec_from_file_location("lock_deploy", REPO_ROOT / "scripts" / "lock_deploy.py")
 lock_deploy = sys.modules["lock_deploy"] = importlib.util.module_from_spec(_spec)

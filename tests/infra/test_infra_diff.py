@@ -4,17 +4,11 @@ group tables, replacements) and the exit codes that stop a replacement of a reta
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
-import sys
 
 import pytest
 
-from infra_synth import REPO_ROOT
-
-_spec = importlib.util.spec_from_file_location("infra_diff", REPO_ROOT / "scripts" / "infra_diff.py")
-infra_diff = sys.modules["infra_diff"] = importlib.util.module_from_spec(_spec)  # dataclasses look it up
-_spec.loader.exec_module(infra_diff)
+from scripts import infra_diff
 
 STACK = "TrnEmbed-prod-Storage"
 BASE = {"Resources": {

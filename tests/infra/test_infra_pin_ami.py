@@ -6,7 +6,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from infra_synth import REPO_ROOT
+from scripts.stage_synth import REPO_ROOT
 from stacks.config import load_pinned_amis
 
 SCRIPT = REPO_ROOT / "scripts" / "infra_pin_ami.sh"

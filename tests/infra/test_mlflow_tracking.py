@@ -8,7 +8,7 @@ from aws_cdk import aws_iam as iam
 from aws_cdk import aws_s3 as s3
 from aws_cdk.assertions import Match, Template
 
-from pipeline_fixtures import ENV
+from tests.infra.pipeline_fixtures import ENV
 from stacks.constructs.mlflow_tracking import MlflowTracking
 
 

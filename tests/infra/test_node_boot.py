@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from node_boot import FSX_SOURCE, HARDWARE, boot, boot_scripts
+from tests.infra.node_boot import FSX_SOURCE, HARDWARE, boot, boot_scripts
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def teams_scripts(teams_templates) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def teams(teams_app_and_stage):
-    from infra_synth import teams_stage_config
+    from scripts.stage_synth import teams_stage_config
 
     return teams_stage_config().teams
 

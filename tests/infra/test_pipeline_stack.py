@@ -8,7 +8,7 @@ import pytest
 from aws_cdk.assertions import Match
 from moto.events.models import EventPattern
 
-from pipeline_fixtures import JOB_DEFINITIONS, QUEUE_WAIT, TEST_CONFIG, synthesized
+from tests.infra.pipeline_fixtures import JOB_DEFINITIONS, QUEUE_WAIT, TEST_CONFIG, synthesized
 from pipeline_contract import PIPELINE_STEPS
 from stacks.constructs.stall_watchdog import HEARTBEAT_POLL_MINUTES
 from stacks.constructs.training_pipeline import BATCH_API_ERRORS
@@ -483,7 +483,7 @@ def test_a_failing_classifier_is_alarmed(syn):
 
 
 def test_canary_can_be_disabled():
-    from pipeline_fixtures import template
+    from tests.infra.pipeline_fixtures import template
     t = template(PipelineConfig(canary_interval_minutes=None))
     t.resource_count_is("AWS::Scheduler::Schedule", 0)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import aws_cdk as cdk
 import pytest
 
-from infra_synth import TEST_IMAGE, cdk_json_context, run_app, stage_config
+from scripts.stage_synth import TEST_IMAGE, cdk_json_context, run_app, stage_config
 from stacks.config import StageConfig
 from stacks.stages import build_stage
 

@@ -15,7 +15,7 @@ from dataclasses import replace
 import aws_cdk as cdk
 import pytest
 
-from infra_synth import REPO_ROOT, cdk_json_context, stage_config
+from scripts.stage_synth import REPO_ROOT, cdk_json_context, stage_config
 from stacks.config import StageConfig
 from stacks.stages import build_stage
 

@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from infra_synth import SNAPSHOT_DIR, SNAPSHOT_STAGES, TEST_ONLY_AMI_ID, snapshot_path
+from scripts.stage_synth import SNAPSHOT_DIR, SNAPSHOT_STAGES, TEST_ONLY_AMI_ID, snapshot_path
 
 UPDATE = os.environ.get("UPDATE_SNAPSHOTS") == "1"
 

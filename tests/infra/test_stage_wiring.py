@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from infra_synth import REPO_ROOT
+from scripts.stage_synth import REPO_ROOT
 from pipeline_steps.heartbeat import Heartbeat
 from pipeline_contract import INSTANCE_TYPES, PIPELINE_STEPS
 from pipeline_contract import batch_job

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 from aws_cdk.assertions import Template
 
-from infra_synth import build, stage_config
+from scripts.stage_synth import build, stage_config
 from pipeline_contract import (
     CANARY, PIPELINE_STEPS, RUN_DIR, SUCCESS_MARKER_ENV, Launcher, PipelineStep, batch_job,
 )

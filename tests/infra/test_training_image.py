@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from infra_synth import REPO_ROOT
+from scripts.stage_synth import REPO_ROOT
 import pipeline_contract
 from pipeline_contract import ExitCode
 from stacks.config import load_pinned_amis

@@ -17,9 +17,9 @@ from moto.stepfunctions.parser.asl.component.state.exec.state_task.service impor
 
 from botocore.exceptions import ClientError
 
-from moto_batch import patched_moto_batch
-from pipeline_fixtures import ENV, TEAM, synthesized
-from test_pipeline_execution import ARTIFACTS, DATA, _World
+from tests.infra.moto_batch import patched_moto_batch
+from tests.infra.pipeline_fixtures import ENV, TEAM, synthesized
+from tests.infra.pipeline_world import ARTIFACTS, DATA, PipelineWorld
 
 from pipeline_ops import cli, commands, context
 from pipeline_contract import PIPELINE_STEPS
@@ -51,7 +51,7 @@ def world():
     with mock_aws(config={"stepfunctions": {"execute_state_machine": True}, "batch": {"use_docker": False}}), \
             patched_moto_batch() as hooks, \
             mock.patch.object(callback_module, "_DELAY_SECONDS_SYNC_CONDITION_CHECK", 0.05):  # faster .sync polls
-        w = _World(hooks)
+        w = PipelineWorld(hooks)
         cloudformation = _CloudFormation({"TrnEmbed-dev-Pipeline": {"StateMachineArn": w.pipeline_arn},
                                           "TrnEmbed-dev-Storage": {"DataBucketName": DATA,
                                                                    "ArtifactsBucketName": ARTIFACTS}})

@@ -21,11 +21,7 @@ from typing import Any
 os.environ.setdefault("JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION", "20")
 os.environ.setdefault("JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION", "1")
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-import aws_cdk as cdk  # noqa: E402
+import aws_cdk as cdk  # noqa: E402 (after the jsii variables: importing it starts Node)
 from cdk_nag import AwsSolutionsChecks  # noqa: E402
 
 from pipeline_contract import NEURON_SDK  # noqa: E402
@@ -33,11 +29,13 @@ from stacks.config import StageConfig, get_stage  # noqa: E402
 from stacks.stages import build_stage  # noqa: E402
 from stacks.team_config import TeamConfig  # noqa: E402
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
 TEST_ACCOUNT = "123456789012"
 TEST_IMAGE = NEURON_SDK.training_image
 # The failure classifier's code asset gets this fixed hash, so a new rule does not churn the snapshots.
 TEST_DIAGNOSIS_ASSET_HASH = "test-only-failure-classifier-code"
-SNAPSHOT_DIR = Path(__file__).resolve().parent / "snapshots"
+SNAPSHOT_DIR = REPO_ROOT / "tests" / "infra" / "snapshots"
 SNAPSHOT_STAGES = ("dev", "prod")
 """Stages with committed template snapshots: prod is the one deployed, so reviewers see it change."""
 
