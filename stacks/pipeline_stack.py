@@ -56,10 +56,8 @@ class PipelineStack(Stack):
         super().__init__(scope, construct_id, **kwargs)
         alerts = AlertTopic(self, "Alerts", notification_email=config.notification_email)
         self.topic = alerts.topic
-        self.slack = None
-        if slack is not None:
-            self.slack = SlackChannel(self, "Slack", workspace_id=slack.workspace_id, channel_id=slack.channel_id,
-                                      topic=alerts.topic, log_retention_days=config.log_retention_days)
+        self.slack = slack and SlackChannel(self, "Slack", workspace_id=slack.workspace_id, channel_id=slack.channel_id,
+                                            topic=alerts.topic, log_retention_days=config.log_retention_days)
         self.ownership = JobOwnership.of(self)
         self.diagnosis = FailureDiagnosis(self, "FailureDiagnosis", stage=stage, job_log_group=job_log_group,
                                           key=alerts.key, log_retention_days=config.log_retention_days,
@@ -92,6 +90,11 @@ class PipelineStack(Stack):
             classifier=self.diagnosis.function, failures_by_class=self.diagnosis.failures_by_class,
             extra_alarms=[self.canary.alarm] if self.canary else [])
 
+        self._outputs(queues, instance_types, mlflow_tracking_server_arn)
+        self._acknowledge()
+
+    def _outputs(self, queues: Mapping[str, batch.IJobQueue], instance_types: Mapping[str, str],
+                 mlflow_tracking_server_arn: str | None) -> None:
         CfnOutput(self, "StateMachineArn", value=self.pipeline.state_machine.state_machine_arn)
         CfnOutput(self, "TopicArn", value=self.topic.topic_arn)
         CfnOutput(self, "TrainingQueueArn", value=queues["training"].job_queue_arn,
@@ -103,7 +106,6 @@ class PipelineStack(Stack):
         if mlflow_tracking_server_arn is not None:
             CfnOutput(self, "MlflowTrackingServerArn", value=mlflow_tracking_server_arn,
                       description="MLFLOW_TRACKING_URI of the pipeline's jobs (SageMaker managed MLflow)")
-        self._acknowledge()
 
     def _acknowledge(self) -> None:
         NagSuppressions.add_stack_suppressions(self, [
