@@ -36,7 +36,8 @@ from stacks.pipeline_config import PipelineConfig
 
 
 class PipelineStack(Stack):
-    """Public: topic, slack (SlackChannel or None), ownership (the tags of this pipeline's Batch jobs), diagnosis (FailureDiagnosis),
+    """Public: topic, slack (SlackChannel or None),
+    ownership (the tags of this pipeline's Batch jobs), diagnosis (FailureDiagnosis),
     pipeline (TrainingPipeline), trigger, canary (or None), watchdog, queue_wait, monitoring."""
 
     def __init__(self, scope: Construct, construct_id: str, *, config: PipelineConfig, stage: str,

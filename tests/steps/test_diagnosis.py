@@ -160,7 +160,8 @@ def test_sigkill_without_a_cause_is_host_memory_unless_batch_stopped_the_job() -
     assert classify(quiet, exit_code=137).cls == "host_oom"
     assert classify(quiet, exit_code=137, status_reason="Essential container in task exited").cls == "host_oom"
     assert classify(quiet, exit_code=137, status_reason="Job attempt duration exceeded timeout").cls == UNKNOWN
-    stalled = "No training progress heartbeat for 30 minutes, or none within 120 minutes of the job starting (stall watchdog)"
+    stalled = ("No training progress heartbeat for 30 minutes, or none within 120 minutes of the job starting "
+               "(stall watchdog)")
     assert classify(quiet, exit_code=137, status_reason=stalled).cls == "collective_failure"
     assert classify(quiet, exit_code=137, status_reason="Host EC2 (instance i-0abc) terminated.").cls == \
         "capacity_or_infrastructure"
