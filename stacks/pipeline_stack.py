@@ -20,6 +20,7 @@ from cdk_nag import NagSuppressions
 from constructs import Construct
 
 from stacks.constructs.alert_topic import AlertTopic
+from stacks.config import SlackConfig
 from stacks.constructs.canary import Canary
 from stacks.constructs.failure_diagnosis import FailureDiagnosis
 from stacks.constructs.job_definitions import JobDefinitionRef
@@ -27,6 +28,7 @@ from stacks.constructs.job_events import JobEvents
 from stacks.constructs.job_ownership import JobOwnership
 from stacks.constructs.monitoring import Monitoring
 from stacks.constructs.queue_wait import QueueWaitLimit
+from stacks.constructs.slack_channel import SlackChannel
 from stacks.constructs.stall_watchdog import StallWatchdog
 from stacks.constructs.training_pipeline import GATE_KEY_PATTERN, TrainingPipeline
 from stacks.constructs.triggers import RunTrigger
@@ -34,7 +36,8 @@ from stacks.pipeline_config import PipelineConfig
 
 
 class PipelineStack(Stack):
-    """Public: topic, ownership (the tags of this pipeline's Batch jobs), diagnosis (FailureDiagnosis),
+    """Public: topic, slack (SlackChannel or None),
+    ownership (the tags of this pipeline's Batch jobs), diagnosis (FailureDiagnosis),
     pipeline (TrainingPipeline), trigger, canary (or None), watchdog, queue_wait, monitoring."""
 
     def __init__(self, scope: Construct, construct_id: str, *, config: PipelineConfig, stage: str,
@@ -42,16 +45,20 @@ class PipelineStack(Stack):
                  queues: Mapping[str, batch.IJobQueue], job_definitions: Mapping[str, JobDefinitionRef],
                  job_log_group: logs.ILogGroup, instance_types: Mapping[str, str], max_nodes: int,
                  queue_wait: Duration, mlflow_tracking_server_arn: str | None = None,
-                 diagnosis_asset_hash: str | None = None, **kwargs: Any) -> None:
+                 diagnosis_asset_hash: str | None = None, slack: SlackConfig | None = None,
+                 **kwargs: Any) -> None:
         """`job_log_group`: where the Batch jobs log (the failure classifier reads it);
         `instance_types`: "training" / "single-node" -> EC2 instance type of the queues' compute
         environments; `max_nodes`: the training compute environment's largest job (input check);
         `queue_wait`: the queues' RUNNABLE time limit (part of every Batch state's timeout); with
         `mlflow_tracking_server_arn`, outputs for the operator CLI (pipeline_ops);
-        `diagnosis_asset_hash` fixes the classifier code's asset hash (tests)."""
+        `diagnosis_asset_hash` fixes the classifier code's asset hash (tests); with `slack`, the
+        notifications also go to that Slack channel (AWS Chatbot)."""
         super().__init__(scope, construct_id, **kwargs)
         alerts = AlertTopic(self, "Alerts", notification_email=config.notification_email)
         self.topic = alerts.topic
+        self.slack = slack and SlackChannel(self, "Slack", workspace_id=slack.workspace_id, channel_id=slack.channel_id,
+                                            topic=alerts.topic, log_retention_days=config.log_retention_days)
         self.ownership = JobOwnership.of(self)
         self.diagnosis = FailureDiagnosis(self, "FailureDiagnosis", stage=stage, job_log_group=job_log_group,
                                           key=alerts.key, log_retention_days=config.log_retention_days,
@@ -84,6 +91,11 @@ class PipelineStack(Stack):
             classifier=self.diagnosis.function, failures_by_class=self.diagnosis.failures_by_class,
             extra_alarms=[self.canary.alarm] if self.canary else [])
 
+        self._outputs(queues, instance_types, mlflow_tracking_server_arn)
+        self._acknowledge()
+
+    def _outputs(self, queues: Mapping[str, batch.IJobQueue], instance_types: Mapping[str, str],
+                 mlflow_tracking_server_arn: str | None) -> None:
         CfnOutput(self, "StateMachineArn", value=self.pipeline.state_machine.state_machine_arn)
         CfnOutput(self, "TopicArn", value=self.topic.topic_arn)
         CfnOutput(self, "TrainingQueueArn", value=queues["training"].job_queue_arn,
@@ -95,7 +107,6 @@ class PipelineStack(Stack):
         if mlflow_tracking_server_arn is not None:
             CfnOutput(self, "MlflowTrackingServerArn", value=mlflow_tracking_server_arn,
                       description="MLFLOW_TRACKING_URI of the pipeline's jobs (SageMaker managed MLflow)")
-        self._acknowledge()
 
     def _acknowledge(self) -> None:
         NagSuppressions.add_stack_suppressions(self, [
