@@ -18,6 +18,7 @@ from pipeline_steps import contract
 from pipeline_steps.config import PRESETS
 from pipeline_steps.contract import InstanceSpec
 from stacks.pipeline_config import PipelineConfig
+from stacks.team_config import TeamConfig, check_teams
 
 
 # The instance table lives in pipeline_steps.contract (pure Python), the one source of EFA interface
@@ -515,6 +516,13 @@ class StageConfig:
     tags: Mapping[str, str] = field(default_factory=dict)
     slack: SlackConfig | None = None
     """Optional: post the notifications to this Slack channel through AWS Chatbot."""
+    teams: tuple[TeamConfig, ...] = ()
+    """Teams sharing the stage (stacks/team_config.py): each gets its own pipeline, prefixes, FSx
+    quota, job role, share identifier and access role. Empty: one default team, the stage's
+    layout before teams (docs/operations.md, "Teams")."""
+    admin_principals: tuple[str, ...] = ()
+    """With teams: IAM role ARNs that may assume the platform admin role (every team's runs, jobs
+    and artifacts). Empty: the account's own IAM policies decide who may (the role trusts the account)."""
     git_commit: str = "unknown"
     """Commit the training image is built from (Docker build arg GIT_COMMIT, baked into the image's
     env; MLflow logs it with every step). app.py fills it from `git rev-parse HEAD`; it never
@@ -544,7 +552,9 @@ class StageConfig:
                 f"Stage {self.name!r}: pipeline.default_num_nodes={self.pipeline.default_num_nodes} exceeds "
                 f"compute.max_nodes={self.compute.max_nodes}; raise max_nodes or lower the default."
             )
-        for share in (self.pipeline.production_share, self.pipeline.experiments_share):
+        check_teams(self.teams, fsx_capacity_gib=self.storage.fsx_storage_capacity_gib,
+                    admin_principals=self.admin_principals)
+        for share in () if self.teams else (self.pipeline.production_share, self.pipeline.experiments_share):
             if share not in self.compute.share_identifiers:
                 raise ValueError(
                     f"Stage {self.name!r}: pipeline share {share!r} is not one of compute.shares "
@@ -559,6 +569,22 @@ class StageConfig:
                 "private subnets to reach the SageMaker MLflow endpoint; set network.nat_gateways>=1, or "
                 "use mlflow_tracking=None (run-local file store) for this stage."
             )
+
+    @property
+    def team_list(self) -> tuple[TeamConfig | None, ...]:
+        """The stage's teams, or (None,): the one default team of a stage without teams."""
+        return self.teams or (None,)
+
+    @property
+    def fair_shares(self) -> tuple[Share, ...]:
+        """The scheduling policy's shares: one per team (its name, its weight), else ComputeConfig.shares."""
+        return tuple(Share(identifier=t.share_identifier, weight=t.weight) for t in self.teams) or self.compute.shares
+
+    @property
+    def compute_reservation(self) -> int:
+        """The policy's one computeReservation: the largest a team asks for, else ComputeConfig's."""
+        asked = [t.compute_reservation for t in self.teams if t.compute_reservation is not None]
+        return max(asked) if asked else self.compute.compute_reservation
 
     @property
     def training_az_id(self) -> str:

@@ -335,3 +335,16 @@ def test_the_command_prints_evidence_with_node_and_line(tmp_path: Path) -> None:
 def test_the_command_refuses_what_it_cannot_use(args: list[str], code: int, message: str) -> None:
     result = run_cli("diagnose", *args)
     assert result.returncode == code and message in result.stderr
+
+
+@pytest.mark.parametrize("line", [
+    # A team over its FSx project quota: Lustre refuses the write with EDQUOT (the team's run dir).
+    "OSError: [Errno 122] Disk quota exceeded: '/fsx/runs/search/catalog-v1/checkpoints/step-000000020.pt.tmp'",
+    "RuntimeError: [enforce fail at inline_container.cc:626] . unexpected pos 4096 vs 0: Disk quota exceeded",
+    # The e2e quota stand-in (a tmpfs of the quota's size) refuses it with ENOSPC.
+    "OSError: [Errno 28] No space left on device: '/fsx/runs/search/catalog-v1/prepared/tokenizer.json'",
+])
+def test_a_team_over_its_fsx_quota_is_a_storage_error_no_retry_can_fix(line: str) -> None:
+    diagnosis = classify([NodeLog.from_text("main", f"Traceback (most recent call last):\n{line}")], exit_code=1)
+    assert diagnosis.cls == "storage_error" and not diagnosis.retryable
+    assert "fsx_quota_gib" in diagnosis.suggestion
