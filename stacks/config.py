@@ -458,6 +458,37 @@ class TrainingConfig:
 
 
 # ---------------------------------------------------------------------------------------------
+# Slack (optional): the notification topic in a Slack channel through AWS Chatbot
+# ---------------------------------------------------------------------------------------------
+_SLACK_WORKSPACE_RE = re.compile(r"^T[0-9A-Z]{8,20}$")
+_SLACK_CHANNEL_RE = re.compile(r"^[CG][0-9A-Z]{8,20}$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlackConfig:
+    """Where AWS Chatbot posts the pipeline's notifications (stacks/constructs/slack_channel.py).
+    Authorize the workspace once in the Chatbot console (https://console.aws.amazon.com/chatbot/),
+    which shows its ID; invite @aws to the channel. docs/operations.md, "Slack"."""
+
+    workspace_id: str
+    """The Slack workspace (team) ID, e.g. T07EA123LEP."""
+    channel_id: str
+    """The channel ID (public C..., private G...), the last part of the channel's Copy link URL."""
+
+    def __post_init__(self) -> None:
+        if not _SLACK_WORKSPACE_RE.match(self.workspace_id):
+            raise ValueError(
+                f"SlackConfig.workspace_id={self.workspace_id!r} is not a Slack workspace ID (T followed by 8-20 "
+                "capital letters or digits): authorize the workspace in the AWS Chatbot console and copy the "
+                "Workspace ID it shows.")
+        if not _SLACK_CHANNEL_RE.match(self.channel_id):
+            raise ValueError(
+                f"SlackConfig.channel_id={self.channel_id!r} is not a Slack channel ID (C or G followed by 8-20 "
+                "capital letters or digits, not the channel name): in Slack, open the channel's details or "
+                "right-click it, Copy link, and take the last part of the URL.")
+
+
+# ---------------------------------------------------------------------------------------------
 # Stage
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
@@ -477,6 +508,8 @@ class StageConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     tags: Mapping[str, str] = field(default_factory=dict)
+    slack: SlackConfig | None = None
+    """Optional: post the notifications to this Slack channel through AWS Chatbot."""
     teams: tuple[TeamConfig, ...] = ()
     """Teams sharing the stage (stacks/team_config.py): each gets its own pipeline, prefixes, FSx
     quota, job role, share identifier and access role. Empty: one default team, the stage's

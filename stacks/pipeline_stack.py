@@ -25,6 +25,7 @@ from pipeline_contract import (
     TRAINING_INSTANCE_TYPE_OUTPUT, TRAINING_QUEUE,
 )
 from stacks.constructs.alert_topic import AlertTopic
+from stacks.config import SlackConfig
 from stacks.constructs.canary import Canary
 from stacks.constructs.failure_diagnosis import FailureDiagnosis
 from stacks.constructs.job_definitions import JobDefinitionRef, TeamJobs
@@ -32,6 +33,7 @@ from stacks.constructs.job_events import JobEvents
 from stacks.constructs.job_ownership import JobOwnership
 from stacks.constructs.monitoring import Monitoring
 from stacks.constructs.queue_wait import QueueWaitLimit
+from stacks.constructs.slack_channel import SlackChannel
 from stacks.constructs.stall_watchdog import StallWatchdog
 from stacks.constructs.team_access import admin_role, team_role
 from stacks.constructs.training_pipeline import GATE_KEY_PATTERN, TrainingPipeline
@@ -52,9 +54,9 @@ class TeamPipeline:
 
 
 class PipelineStack(Stack):
-    """Public: topic, ownership (the tags of this pipeline's Batch jobs), diagnosis (FailureDiagnosis),
-    pipelines (team name, or None for the default team -> TeamPipeline), pipeline and trigger (the
-    first team's), canary (or None), watchdog, queue_wait, monitoring, team_roles (team name -> role)
+    """Public: topic, slack (SlackChannel or None), ownership (the tags of this pipeline's Batch
+    jobs), diagnosis (FailureDiagnosis), pipelines (team name, or None for the default team ->
+    TeamPipeline), pipeline and trigger (the first team's), canary (or None), watchdog, queue_wait, monitoring, team_roles (team name -> role)
     and admin_role (None without teams)."""
 
     def __init__(self, scope: Construct, construct_id: str, *, config: PipelineConfig, stage: str,
@@ -63,17 +65,20 @@ class PipelineStack(Stack):
                  canary_job_definition: JobDefinitionRef, instance_types: Mapping[str, str], max_nodes: int,
                  queue_wait: Duration, admin_principals: Sequence[str] = (), storage_stack_name: str | None = None,
                  mlflow_tracking_server_arn: str | None = None, diagnosis_asset_hash: str | None = None,
-                 **kwargs: Any) -> None:
+                 slack: SlackConfig | None = None, **kwargs: Any) -> None:
         """`teams`: each team's job definitions, job log group and role (one entry, team None, for
         a stage without teams); `instance_types`: "training" / "single-node" -> EC2 instance type of
         the queues' compute environments; `max_nodes`: the training compute environment's largest
         job (input check); `queue_wait`: the queues' RUNNABLE time limit (part of every Batch state's
         timeout); `admin_principals`, `storage_stack_name`: the admin role's trust and what the
         teams' roles may describe; with `mlflow_tracking_server_arn`, outputs for the operator CLI
-        (pipeline_ops); `diagnosis_asset_hash` fixes the classifier code's asset hash (tests)."""
+        (pipeline_ops); `diagnosis_asset_hash` fixes the classifier code's asset hash (tests); with
+        `slack`, the notifications also go to that Slack channel (AWS Chatbot)."""
         super().__init__(scope, construct_id, **kwargs)
         alerts = AlertTopic(self, "Alerts", notification_email=config.notification_email)
         self.topic = alerts.topic
+        self.slack = slack and SlackChannel(self, "Slack", workspace_id=slack.workspace_id, channel_id=slack.channel_id,
+                                            topic=alerts.topic, log_retention_days=config.log_retention_days)
         self.ownership = JobOwnership.of(self)
         self.diagnosis = FailureDiagnosis(self, "FailureDiagnosis", stage=stage,
                                           job_log_groups=[t.log_group for t in teams],

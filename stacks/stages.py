@@ -38,6 +38,7 @@ def build_stage(scope: Construct, cfg: StageConfig, *, image_uri: str | None = N
                         SINGLE_NODE_QUEUE: cfg.compute.single_node_instance_type},
         max_nodes=cfg.compute.max_nodes, queue_wait=Duration.minutes(cfg.compute.runnable_timeout_minutes),
         mlflow_tracking_server_arn=compute.mlflow.tracking_server_arn if compute.mlflow else None,
+        slack=cfg.slack,
         env=env, description=f"{prefix}: training pipeline state machine, new-data trigger, canary, alarms, dashboard")
     for stack in stacks.values():
         Tags.of(stack).add("project", cfg.project)

@@ -149,9 +149,32 @@ def test_every_step_error_line_is_classified_consistently_with_its_exit_code() -
 
 
 def test_the_exit_code_classes_agree_with_the_exit_code_table() -> None:
+    """The step's own codes are the contract's; above 128 a code is 128 + the signal that ended it."""
     for code, name in RULES.exit_codes.items():
-        assert code in {int(c) for c in ExitCode}, code
+        assert code in {int(c) for c in ExitCode} or code > 128, code
         assert RULES.classes[name].retryable == (code == ExitCode.RETRYABLE), (code, name)
+
+
+def test_sigkill_without_a_cause_is_host_memory_unless_batch_stopped_the_job() -> None:
+    quiet = [NodeLog.from_text("main", "step 100 loss 0.41")]
+    assert classify(quiet, exit_code=137).cls == "host_oom"
+    assert classify(quiet, exit_code=137, status_reason="Essential container in task exited").cls == "host_oom"
+    assert classify(quiet, exit_code=137, status_reason="Job attempt duration exceeded timeout").cls == UNKNOWN
+    stalled = ("No training progress heartbeat for 30 minutes, or none within 120 minutes of the job starting "
+               "(stall watchdog)")
+    assert classify(quiet, exit_code=137, status_reason=stalled).cls == "collective_failure"
+    assert classify(quiet, exit_code=137, status_reason="Host EC2 (instance i-0abc) terminated.").cls == \
+        "capacity_or_infrastructure"
+
+
+def test_a_generic_exception_beats_only_symptoms() -> None:
+    own, lost = "tokenizers.TokenizerSchemaError: bad vocab", SYMPTOM
+    logs = [NodeLog("node 0", (lost,), (1.0,)), NodeLog("node 1", (own,), (9.0,))]  # the symptom came first
+    assert (classify(logs).cls, classify(logs).node) == ("user_code_error", "node 1")
+    assert classify([NodeLog("node 0", (own, CAUSE))]).cls == "device_unavailable"
+    assert classify([NodeLog("node 0", (own,))], exit_code=78).cls == "bad_config"
+    for wrapper in ("RuntimeError: boom", "OSError: boom", "ChildFailedError:", "ERROR: boom", "Error: boom"):
+        assert RULES.best_rule(wrapper) is None, wrapper
 
 
 def test_a_real_step_failure_is_diagnosed_by_the_command(tmp_path: Path) -> None:
