@@ -169,7 +169,7 @@ class PipelineStack(Stack):
         CfnOutput(self, "TrainingQueueArn", value=queues[TRAINING_QUEUE].job_queue_arn,
                   description="The fair-share training queue (production and experiments share identifiers)")
         CfnOutput(self, "DashboardName", value=self.monitoring.dashboard.dashboard_name)
-        # trainium-runs prices each Batch job by these (pipeline_ops/cli.py Context.instance_types).
+        # trainium-runs prices each Batch job by these (pipeline_ops/context.py Context.instance_types).
         CfnOutput(self, TRAINING_INSTANCE_TYPE_OUTPUT, value=instance_types[TRAINING_QUEUE])
         CfnOutput(self, SINGLE_NODE_INSTANCE_TYPE_OUTPUT, value=instance_types[SINGLE_NODE_QUEUE])
         if mlflow_tracking_server_arn is not None:

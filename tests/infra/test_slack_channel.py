@@ -10,7 +10,7 @@ import pytest
 from aws_cdk.assertions import Annotations, Match, Template
 from cdk_nag import AwsSolutionsChecks
 
-from infra_synth import TEST_DIAGNOSIS_ASSET_HASH, TEST_IMAGE, cdk_json_context, stage_config
+from scripts.stage_synth import TEST_DIAGNOSIS_ASSET_HASH, TEST_IMAGE, cdk_json_context, stage_config
 from stacks.config import SlackConfig
 from stacks.stages import build_stage
 
