@@ -50,18 +50,21 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
-from pipeline_steps import checkpoint, data as data_lib, distributed as dist_lib
+from pipeline_contract import PREPARED_DIR
+from pipeline_steps import checkpoint
+from pipeline_steps import data as data_lib
+from pipeline_steps import distributed as dist_lib
 from pipeline_steps.__main__ import configure_logging
 from pipeline_steps.config import ModelConfig, get_preset
 from pipeline_steps.fileio import atomic_write_json
-from pipeline_contract import PREPARED_DIR
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline_steps import data as data_lib, holdout_evaluation, retrieval_metrics
+from pipeline_steps import data as data_lib
+from pipeline_steps import holdout_evaluation, retrieval_metrics
 from pipeline_steps.config import PRETRAINED_TRAIN, get_preset
 from pipeline_steps.fileio import atomic_write_json, read_json
 
@@ -85,8 +86,11 @@ def st_finetune(pretrained: Path, prepared: Any, *, epochs: int, batch_size: int
     """The standard sentence-transformers recipe: MultipleNegativesRankingLoss over (query, product
     text) pairs, in-batch negatives, batches without duplicate texts, linear schedule with warm-up."""
     from datasets import Dataset
-    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, \
-        SentenceTransformerTrainingArguments
+    from sentence_transformers import (
+        SentenceTransformer,
+        SentenceTransformerTrainer,
+        SentenceTransformerTrainingArguments,
+    )
     from sentence_transformers.losses import MultipleNegativesRankingLoss
     from sentence_transformers.training_args import BatchSamplers
 

@@ -17,8 +17,9 @@ import argparse
 import csv
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 NUMERIC = ("rating_count", "average_rating", "review_count")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 
+
 class ExitCode(enum.IntEnum):
     """Process exit codes of `python -m pipeline_steps <step>` (values follow BSD sysexits where one
     fits). The job definitions' retry strategies retry RETRYABLE only; the entrypoint exits BAD_CONFIG

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+
 @dataclass(frozen=True, kw_only=True)
 class InstanceSpec:
     """What a Trainium instance type brings to a node. Sources (AWS Neuron docs): devices, vCPUs and

@@ -17,22 +17,40 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from pipeline_contract import (
-    CHECKPOINTS_DIR, DEFAULT_PROJECT, FSX_DATA, run_path,
+    CHECKPOINTS_DIR,
+    DEFAULT_PROJECT,
+    FSX_DATA,
+    run_path,
 )
 from pipeline_steps import cost as cost_lib
 from pipeline_steps.cli_common import autocomplete, version_line
 
 from . import runs
+from .commands import (
+    cmd_buckets,
+    cmd_cost,
+    cmd_logs,
+    cmd_runs,
+    cmd_start,
+    cmd_status,
+    cmd_stop,
+    cmd_why,
+)
 from .context import Context
 from .errors import CredentialsError, OpsError
-from .commands import (
-    cmd_buckets, cmd_cost, cmd_logs, cmd_runs, cmd_start, cmd_status, cmd_stop, cmd_why,
-)
 from .rendering import (
-    render_buckets, render_cost, render_logs, render_runs, render_start, render_status, render_stop, render_why,
+    render_buckets,
+    render_cost,
+    render_logs,
+    render_runs,
+    render_start,
+    render_status,
+    render_stop,
+    render_why,
 )
 
 COMMANDS: dict[str, tuple[Callable[..., dict[str, Any]], Callable[[Any, dict[str, Any]], None]]] = {
@@ -143,8 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from botocore.exceptions import ClientError, NoCredentialsError, PartialCredentialsError
-    from botocore.exceptions import ProfileNotFound
+    from botocore.exceptions import ClientError, NoCredentialsError, PartialCredentialsError, ProfileNotFound
     from rich.console import Console
 
     parser = build_parser()

@@ -7,20 +7,31 @@ import argparse
 import json
 import os
 import time
-from datetime import datetime, timezone
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from typing import Any
 
 from pipeline_contract import (
-    ARTIFACTS_BUCKET_OUTPUT, DATA_BUCKET_OUTPUT, FSX_DATA, TeamPaths, execution_input, run_path,
+    ARTIFACTS_BUCKET_OUTPUT,
+    DATA_BUCKET_OUTPUT,
+    FSX_DATA,
+    TeamPaths,
+    execution_input,
+    run_path,
 )
-from pipeline_steps.diagnosis import handler as diagnosis, job_logs
+from pipeline_steps.diagnosis import handler as diagnosis
+from pipeline_steps.diagnosis import job_logs
 
 from . import runs
 from .context import Context
 from .errors import ConflictError, NotFoundError, UsageError
 from .rendering import log_line, print_log_header
 from .run_reader import (
-    describe_execution, describe_jobs, execution_history, latest_run, run_summary,
+    describe_execution,
+    describe_jobs,
+    execution_history,
+    latest_run,
+    run_summary,
 )
 
 
@@ -73,7 +84,7 @@ def cmd_start(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
                        (execution_input.PREPARE_SHARDS, args.prepare_shards)):
         if value is not None:
             run_input[key] = value
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
     name = args.name or runs.execution_name(run_input.get("dataset", "manual"), run_input.get("version", ""),
                                          suffix=f"-{stamp}")
     sfn = ctx.client("stepfunctions")

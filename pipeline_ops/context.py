@@ -9,8 +9,12 @@ from typing import Any
 
 from pipeline_contract import (
     DEFAULT_SINGLE_NODE_INSTANCE_TYPE,
-    DEFAULT_TRAINING_INSTANCE_TYPE, SINGLE_NODE_INSTANCE_TYPE_OUTPUT, STATE_MACHINE_OUTPUT, TRAINING_INSTANCE_TYPE_OUTPUT,
-    TeamPaths, stack_name,
+    DEFAULT_TRAINING_INSTANCE_TYPE,
+    SINGLE_NODE_INSTANCE_TYPE_OUTPUT,
+    STATE_MACHINE_OUTPUT,
+    TRAINING_INSTANCE_TYPE_OUTPUT,
+    TeamPaths,
+    stack_name,
 )
 from pipeline_steps import cost as cost_lib
 
@@ -89,7 +93,7 @@ class Context:
             self._arn = arn
         return self._arn
 
-    def for_team(self, team: str | None, arn: str) -> "Context":
+    def for_team(self, team: str | None, arn: str) -> Context:
         """The same clients and prices, acting on another team's pipeline (`arn`)."""
         other = copy.copy(self)
         other.team, other.paths, other._arn = team, TeamPaths(team), arn

@@ -6,8 +6,6 @@ import json
 from typing import Any
 
 
-
-
 def _hms(seconds: float | None) -> str:
     if seconds is None:
         return "-"

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from pipeline_contract import (
-    HEARTBEAT_NAMESPACE, HEARTBEAT_RUN_DIMENSION, HEARTBEAT_STAGE_DIMENSION,
+    HEARTBEAT_NAMESPACE,
+    HEARTBEAT_RUN_DIMENSION,
+    HEARTBEAT_STAGE_DIMENSION,
     HEARTBEAT_STEP_METRIC,
 )
 from pipeline_steps import cost as cost_lib
@@ -127,8 +129,8 @@ def heartbeat_series(ctx: Context, run_id: str, *, start: float, end: float) -> 
                                "Period": 60, "Stat": stat.get(name, "Average")}}
                for i, (name, _) in enumerate(heartbeat.METRICS)]
     pages = ctx.client("cloudwatch").get_paginator("get_metric_data").paginate(
-        MetricDataQueries=queries, StartTime=datetime.fromtimestamp(start, timezone.utc),
-        EndTime=datetime.fromtimestamp(end, timezone.utc))
+        MetricDataQueries=queries, StartTime=datetime.fromtimestamp(start, UTC),
+        EndTime=datetime.fromtimestamp(end, UTC))
     series: dict[str, list[tuple[float, float]]] = {}
     for page in pages:
         for result in page["MetricDataResults"]:

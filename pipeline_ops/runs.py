@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import pipeline_contract
-from pipeline_steps import cost as cost_lib
 from pipeline_contract import HEARTBEAT_LOSS_METRIC, HEARTBEAT_STEP_METRIC, HEARTBEAT_THROUGHPUT_METRIC
+from pipeline_steps import cost as cost_lib
 
 # Batch states of the pipeline, in order; job names are the lower-cased state names. Multi-node
 # ones run on the training instance type.
@@ -46,7 +46,7 @@ def _epoch(value: Any) -> float | None:
 
 
 def iso(ts: float | None) -> str | None:
-    return None if ts is None else datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return None if ts is None else datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 # ---- the execution history -----------------------------------------------------------------------
@@ -84,7 +84,7 @@ def parse_history(events: list[dict[str, Any]]) -> tuple[list[StateVisit], dict[
     jobs: dict[str, StepJob] = {}
     current: StateVisit | None = None
     for event in events:
-        ts = _epoch(event["timestamp"])
+        ts = _epoch(event["timestamp"]) or 0.0  # every history event has a timestamp
         kind = event["type"]
         if "stateEnteredEventDetails" in event:
             current = StateVisit(event["stateEnteredEventDetails"]["name"], ts)

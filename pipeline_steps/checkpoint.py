@@ -21,9 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipeline_contract import CHECKPOINTS_DIR
+
 from . import fileio
 from .config import ModelConfig, from_dict
-from pipeline_contract import CHECKPOINTS_DIR
 from .errors import BadInputError
 from .model import EmbeddingModel
 
@@ -75,7 +76,7 @@ def rng_state() -> dict[str, Any]:
         "python": {"version": py_version, "state": torch.tensor(py_internal, dtype=torch.int64),
                    "gauss_next": py_gauss},
         # MT19937 keys are uint32; int64 holds them exactly and is a plain tensor type everywhere.
-        "numpy": {"bit_generator": str(np_name), "keys": torch.from_numpy(np_keys.astype(np.int64)),
+        "numpy": {"bit_generator": str(np_name), "keys": torch.from_numpy(np.asarray(np_keys).astype(np.int64)),
                   "pos": int(np_pos), "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_cached)},
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
@@ -214,7 +215,7 @@ def save(run_dir: str | os.PathLike, state: dict[str, Any], *, keep: int) -> Pat
         "batch_in_epoch": state.get("batch_in_epoch"),
         "sha256": sha256,
         "bytes": num_bytes,
-        "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "created_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "file": path.name,
         "torch": torch.__version__,
     })

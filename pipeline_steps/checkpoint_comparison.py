@@ -4,12 +4,13 @@ metric deltas against a tolerance and how closely their embeddings agree -> comp
 from __future__ import annotations
 
 import argparse
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
 
 from pipeline_contract import VALIDATION_DIR
+
 from . import distributed, retrieval_metrics
 from .fileio import atomic_write_json
 from .holdout_evaluation import Evaluation, evaluate_model, holdout_queries, print_table
@@ -40,7 +41,8 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
         del inference  # only one model in memory at a time
 
     a, b = evaluations["a"].metrics, evaluations["b"].metrics
-    deltas = {k: b[k] - a[k] for k in retrieval_metrics.METRIC_KEYS if a.get(k) is not None and b.get(k) is not None}
+    deltas = {k: bk - ak for k in retrieval_metrics.METRIC_KEYS
+              if (ak := a.get(k)) is not None and (bk := b.get(k)) is not None}
     worst = max(deltas, key=lambda k: abs(deltas[k]))
     max_abs = abs(deltas[worst])
     passed = max_abs <= args.tolerance
@@ -59,7 +61,7 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
             "queries": agreement(evaluations["a"].query_embeddings, evaluations["b"].query_embeddings),
         },
         "holdout": {"queries": len(holdout.queries), "products": len(prepared.products.ids)},
-        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }
     atomic_write_json(args.run_dir / VALIDATION_DIR / COMPARE_REPORT, report)
     print_table("parity: B vs A on the same holdout", {"A": a, "B": b, "B - A": deltas},

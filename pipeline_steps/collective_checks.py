@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -66,10 +66,12 @@ def compare(expected: torch.Tensor, actual: torch.Tensor, *, atol: float = 0.0, 
     return num_bad == 0, window(expected), window(actual), detail
 
 
-def _timed(world: distributed.World, iterations: int, op: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, list[float]]:
+def _timed(world: distributed.World, iterations: int, op: Callable[[], torch.Tensor]
+           ) -> tuple[list[torch.Tensor], list[float]]:
     """Run `op` `iterations` times, each time through to a CPU tensor (which waits for the device
     and, on XLA, compiles and runs the graph); returns every result's CPU copy and per-run seconds."""
-    results, seconds = [], []
+    results: list[torch.Tensor] = []
+    seconds: list[float] = []
     for _ in range(iterations):
         start = time.perf_counter()
         out = op()

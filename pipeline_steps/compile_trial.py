@@ -22,8 +22,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from . import distributed as dist_lib
 from pipeline_contract import COMPILE_CACHE_DIR, COMPILE_DIR, PREPARED_DIR
+
+from . import distributed as dist_lib
 from .errors import EXIT_CODE_FILE_ENV, BadConfigError, ExitCode, RetryableError, StepError
 from .fileio import atomic_write_json, read_json
 from .trainer import Trainer, resolve_train_config
@@ -69,7 +70,7 @@ def trial_dir(run_dir: Path, key: str) -> Path:
         link.symlink_to(prepared, target_is_directory=True)
     except FileExistsError:
         if link.resolve() != prepared:
-            raise BadConfigError(f"{link} points to {link.resolve()}, not {prepared}: remove {trial} and rerun")
+            raise BadConfigError(f"{link} points to {link.resolve()}, not {prepared}: remove {trial} and rerun") from None
     return trial
 
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class PriceList:
         self.client = client  # boto3.client("pricing", region_name="us-east-1")
 
     @classmethod
-    def from_session(cls, session: Any) -> "PriceList":
+    def from_session(cls, session: Any) -> PriceList:
         return cls(session.client("pricing", region_name="us-east-1"))
 
     def filters(self, region: str, instance_type: str) -> list[dict[str, str]]:

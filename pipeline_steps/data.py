@@ -18,9 +18,10 @@ import json
 import logging
 import math
 import unicodedata
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import orjson
@@ -29,8 +30,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from .config import DataConfig, from_dict
 from pipeline_contract import FSX_INCOMING, PREPARE_REPORT, PREPARED_DIR
+
+from .config import DataConfig, from_dict
 from .errors import BadInputError
 from .fileio import atomic_path, atomic_write_json, read_json
 

@@ -210,10 +210,10 @@ def _query(kind: str, p: dict, t: _Type, band: tuple[float, float], rng: random.
     if kind == "synonym":
         return f"{colour_syn} {material} {other_word}"
     if kind == "typo":
-        words = [colour, material, p["_type_word"]]
-        j = max(range(3), key=lambda k: len(words[k]))
-        words[j] = _typo(words[j], rng)
-        return " ".join(words)
+        parts = [colour, material, p["_type_word"]]
+        j = max(range(3), key=lambda k: len(parts[k]))
+        parts[j] = _typo(parts[j], rng)
+        return " ".join(parts)
     if kind == "paraphrase":
         return f"{rng.choice(t.paraphrases)} in {colour}"
     if kind == "attribute":

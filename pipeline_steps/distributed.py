@@ -16,15 +16,17 @@ import importlib.util
 import os
 import random
 import re
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from pipeline_contract import COMPILE_CACHE_BASE_ENV
+
 from .errors import BadConfigError, RetryableError
 from .package_versions import versions  # re-exported: callers that already hold torch ask here
 
@@ -276,7 +278,8 @@ class XlaAdamW(torch.optim.AdamW):
     "Precision"."""
 
     @torch.no_grad()
-    def step(self, closure: Any = None, found_inf: torch.Tensor | None = None) -> None:
+    def step(self, closure: Any = None, found_inf: torch.Tensor | None = None) -> None:  # type: ignore[override]
+        # (found_inf: torch_xla's syncfree optimizers skip a non-finite step in-graph; torch's base has no such argument)
         from torch_xla.amp.syncfree import _functional as syncfree
 
         assert closure is None, "XlaAdamW.step takes no closure"
@@ -324,7 +327,7 @@ def init_optimizer_state(world: World, optimizer: torch.optim.Optimizer, saved: 
         on_device = group.get("capturable") or group.get("fused")
         for param in group["params"]:
             state = optimizer.state[param] = {}
-            state["step"] = uploaded[index].clone() if world.is_xla else torch.tensor(
+            state["step"] = uploaded[index].clone() if uploaded is not None else torch.tensor(
                 counts[index], dtype=torch.float32, device=param.device if on_device else "cpu")
             for key in ("exp_avg", "exp_avg_sq"):
                 state[key] = torch.zeros_like(param, dtype=torch.float32, memory_format=torch.preserve_format)
@@ -382,7 +385,7 @@ def optimizer_step(world: World, optimizer: torch.optim.Optimizer, found_inf: to
     read the loss before the step. Eager backends
     check on the host before calling this, so `found_inf` must be None there."""
     if world.is_xla:
-        optimizer.step(found_inf=found_inf)
+        cast(Any, optimizer).step(found_inf=found_inf)  # XlaAdamW (optim.py) takes it
     else:
         assert found_inf is None, "eager optimizers cannot skip in-graph; check the loss on the host"
         optimizer.step()
@@ -420,7 +423,7 @@ def all_reduce_sum(world: World, tensor: torch.Tensor) -> torch.Tensor:
     if world.is_xla:
         import torch_xla.core.xla_model as xm
 
-        return xm.all_reduce(xm.REDUCE_SUM, tensor)
+        return cast(torch.Tensor, xm.all_reduce(xm.REDUCE_SUM, tensor))  # one tensor in, one out
     out = tensor.clone()
     dist.all_reduce(out, op=dist.ReduceOp.SUM)
     return out

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import logging
 import re
-from datetime import datetime, timezone
+from collections.abc import Sequence
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from pipeline_contract import EMBEDDINGS_MANIFEST
+
 from .errors import BadInputError, RetryableError
 from .fileio import atomic_path, atomic_write_json, read_json, sha256_file
 from .shards import shard_bounds
@@ -78,7 +80,7 @@ def write_shard(out_dir: Path, shard_index: int, shard_count: int, ids: Sequence
         "rows": len(ids), "bytes": part.stat().st_size, "sha256": sha256_file(part),
         "embedding_dim": dim, "first_id": ids[0] if len(ids) else None, "last_id": ids[-1] if len(ids) else None,
         "checkpoint": str(checkpoint), "checkpoint_sha256": checkpoint_sha256,
-        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), **(extra or {}),
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"), **(extra or {}),
     }
     atomic_write_json(sidecar, meta)
     return meta
@@ -190,5 +192,5 @@ def _manifest(metas: list[dict[str, Any]], shard_count: int, total: int) -> dict
         "columns": {"id": "string", "embedding": f"fixed_size_list<float32, {first['embedding_dim']}>"},
         "shards": [{k: m[k] for k in ("shard_index", "file", "rows", "bytes", "sha256", "first_id", "last_id")}
                    for m in metas],
-        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }

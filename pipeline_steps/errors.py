@@ -40,7 +40,7 @@ class NonFiniteLossError(StepError, FloatingPointError):
     exit_code = ExitCode.NON_FINITE_LOSS
 
 
-def record_exit_code(code: int, environ: "os._Environ[str] | dict[str, str] | None" = None) -> None:
+def record_exit_code(code: int, environ: os._Environ[str] | dict[str, str] | None = None) -> None:
     """Leave this process's exit code where the container entrypoint can find it.
 
     torchrun exits 1 whenever a worker fails, whatever the worker's code (checked with torch 2.9),

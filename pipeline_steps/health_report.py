@@ -7,10 +7,11 @@ import logging
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from . import distributed
 from .errors import ExitCode
@@ -44,7 +45,7 @@ class Report:
     world_size: int
     backend: str
     host: str = field(default_factory=socket.gethostname)
-    started_at: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    started_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
     checks: list[Check] = field(default_factory=list)
     current: str | None = None  # the check in progress, for the watchdog's report
     raised: set[str] = field(default_factory=set)  # checks that ended in an exception, not a wrong value

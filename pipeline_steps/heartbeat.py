@@ -15,11 +15,18 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Mapping, TextIO
+from collections.abc import Mapping
+from typing import Any, TextIO
 
 from pipeline_contract import (
-    HEARTBEAT_LOSS_METRIC, HEARTBEAT_NAMESPACE, HEARTBEAT_RUN_DIMENSION, HEARTBEAT_STAGE_DIMENSION,
-    HEARTBEAT_STEP_METRIC, HEARTBEAT_THROUGHPUT_METRIC, RUN_ID_ENV, STAGE_ENV,
+    HEARTBEAT_LOSS_METRIC,
+    HEARTBEAT_NAMESPACE,
+    HEARTBEAT_RUN_DIMENSION,
+    HEARTBEAT_STAGE_DIMENSION,
+    HEARTBEAT_STEP_METRIC,
+    HEARTBEAT_THROUGHPUT_METRIC,
+    RUN_ID_ENV,
+    STAGE_ENV,
 )
 
 # Per stage (stage-wide graphs) and per run: the per-job stall alarm reads the second, so a

@@ -7,8 +7,9 @@ import logging
 import math
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -119,7 +120,7 @@ def _fmt(value: float | None) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.4f}"
 
 
-def print_table(title: str, columns: dict[str, dict[str, float | None] | None], footer: str | None = None) -> None:
+def print_table(title: str, columns: Mapping[str, Mapping[str, float | None] | None], footer: str | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 

@@ -12,11 +12,13 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from pipeline_contract import INSTANCE_TYPES, InstanceSpec
+
 from .health_report import FAILED, PASSED, SKIPPED, Check, Report
 
 TOOL_TIMEOUT_S = 120.0
@@ -118,8 +120,8 @@ class HostChecks:
             ok = actual["devices"] > 0
             return Check(name, PASSED if ok else FAILED, expected="at least 1 device", actual=actual,
                          detail="no --instance-type: only checked that devices exist")
-        expected = {"devices": self.spec.neuron_devices, "cores": self.spec.neuron_cores}
-        return Check(name, PASSED if actual == expected else FAILED, expected=expected, actual=actual,
+        table = {"devices": self.spec.neuron_devices, "cores": self.spec.neuron_cores}
+        return Check(name, PASSED if actual == table else FAILED, expected=table, actual=actual,
                      detail=f"instance type {self.instance_type}")
 
     def efa_devices(self) -> Check:

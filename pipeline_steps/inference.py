@@ -11,9 +11,10 @@ import dataclasses
 import json
 import logging
 import os
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ import torch
 from . import distributed
 from .errors import BadInputError, RetryableError
 from .fileio import sha256_file
+from .model import EmbeddingModel
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +37,7 @@ fine because inference keeps no activations for backward."""
 class InferenceModel:
     """A checkpoint's model on a device, in eval mode, ready for static-shape batches."""
 
-    model: torch.nn.Module
+    model: EmbeddingModel
     state: dict[str, Any]
     world: distributed.World
     checkpoint: Path
@@ -111,7 +113,7 @@ def check_compatible(inference: InferenceModel, prepared: Any) -> list[str]:
             )
     warnings = []
     state_schema = inference.state.get("schema")
-    if state_schema is not None and dataclasses.is_dataclass(prepared.schema):
+    if state_schema is not None and dataclasses.is_dataclass(prepared.schema) and not isinstance(prepared.schema, type):
         if _jsonable(state_schema) != _jsonable(dataclasses.asdict(prepared.schema)):
             warnings.append("the checkpoint's feature schema (normalisation statistics or category "
                             "vocabularies) differs from the prepared data's; numbers may shift")

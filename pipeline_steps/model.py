@@ -174,6 +174,7 @@ def _identity_on_text(head: nn.Sequential, hidden_size: int) -> None:
     features' columns start at zero, not random: the gradient reaches them from step 1, but
     they cannot drown the text before the model has learned what they mean."""
     linear = head[0]
+    assert isinstance(linear, nn.Linear)
     linear.weight.zero_()
     linear.weight[:, :hidden_size].copy_(torch.eye(hidden_size))
     linear.bias.zero_()
@@ -194,7 +195,7 @@ class EmbeddingModel(nn.Module):
         self.categorical = nn.ModuleList(
             nn.Embedding(card, categorical_embedding_dim(card)) for card in cfg.categorical_cardinalities
         )
-        fused = cfg.hidden_size + cfg.num_numeric + sum(e.embedding_dim for e in self.categorical)
+        fused = cfg.hidden_size + cfg.num_numeric + sum(categorical_embedding_dim(c) for c in cfg.categorical_cardinalities)
         self.product_head = _head(fused, cfg)
         self.classifier = nn.Linear(cfg.embedding_dim, cfg.num_classes) if cfg.num_classes > 0 else None
         self.apply(self._init_weights)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from pipeline_contract import TRAIN_SUMMARY, VALIDATION_METRICS
 
@@ -59,8 +60,14 @@ def missing_runs(root: Path, backends: Sequence[str], seeds: list[int]) -> list[
             if not (run_dir_for(root, b, s) / VALIDATION_METRICS).exists()]
 
 
+def _present(metrics: dict[str, float] | None, root: Path, backend: str, seed: int) -> dict[str, float]:
+    if metrics is None:  # the caller checks missing_runs first
+        raise ValueError(f"{run_dir_for(root, backend, seed)} has not been scored")
+    return metrics
+
+
 def build_report(root: Path, backends: tuple[str, str], seeds: list[int], tolerance: float) -> dict[str, Any]:
-    runs = {b: [load_run_metrics(root, b, s) for s in seeds] for b in backends}
+    runs = {b: [_present(load_run_metrics(root, b, s), root, b, s) for s in seeds] for b in backends}
     a, b = backends
     names = [k for k in runs[a][0] if all(k in m for m in runs[a] + runs[b])]
     per_metric = {k: compare_metric([m[k] for m in runs[a]], [m[k] for m in runs[b]], tolerance) for k in names}

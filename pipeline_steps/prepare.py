@@ -23,21 +23,25 @@ import logging
 import shutil
 import time
 from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Iterable, Iterator, Sequence
+from typing import IO, Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import batch_validation as V, data as D
-from .config import DataConfig, get_preset, to_dict
-from pipeline_contract import FSX_INCOMING, PREPARED_DIR, PREPARE_REPORT
-from .errors import BadConfigError, BadInputError, StepError
+from pipeline_contract import FSX_INCOMING, PREPARE_REPORT, PREPARED_DIR
+
+from . import batch_validation as V
+from . import data as D
 from . import tracking, upload_readiness
+from .config import DataConfig, get_preset, to_dict
+from .errors import BadConfigError, BadInputError, StepError
 from .fileio import atomic_path, atomic_write_bytes, atomic_write_json, sha256_file
-from .pretrained import previous_staged, stage as stage_pretrained
+from .pretrained import previous_staged
+from .pretrained import stage as stage_pretrained
 
 log = logging.getLogger("pipeline_steps.prepare")
 

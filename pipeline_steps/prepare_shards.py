@@ -24,18 +24,20 @@ import os
 import shutil
 import time
 from collections import Counter
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline_contract import PREPARE_REPORT, PREPARED_DIR
+
 from . import data as D
 from . import prepare as P
 from . import upload_readiness
 from .config import DataConfig, from_dict, to_dict
-from pipeline_contract import PREPARED_DIR, PREPARE_REPORT
 from .errors import BadInputError, StepError
 from .fileio import atomic_path, atomic_write_bytes, atomic_write_json, read_json, sha256_file
 from .shards import remove_stale_temps, resolve_shard, shard_bounds
@@ -113,7 +115,7 @@ def unit_batches(unit: dict[str, Any]) -> D.JsonlBatches | Iterator[D.RecordBatc
 
 
 def _unit_order(unit: dict[str, Any]) -> bytes:
-    return hashlib.blake2b(f"{unit['source']}\x00{unit['start']}".encode("utf-8"), digest_size=8).digest()
+    return hashlib.blake2b(f"{unit['source']}\x00{unit['start']}".encode(), digest_size=8).digest()
 
 
 # ---------------------------------------------------------------------------------------------

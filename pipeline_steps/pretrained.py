@@ -15,13 +15,16 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .config import ModelConfig
 from pipeline_contract import PREPARED_DIR
+
+from .config import ModelConfig
 from .errors import BadConfigError
 from .fileio import atomic_path
 
 if TYPE_CHECKING:
     import torch
+
+    from .model import TransformerEncoder
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +78,8 @@ def architecture_problems(config: dict[str, Any]) -> list[str]:
 
 def _bert_layer_shapes(config: dict[str, Any], i: int) -> dict[str, tuple[tuple[int, ...], str]]:
     hidden, ffn = config["hidden_size"], config["intermediate_size"]
-    h = (hidden,), "hidden_size"
-    square = (hidden, hidden), "hidden_size x hidden_size"
+    h: tuple[tuple[int, ...], str] = (hidden,), "hidden_size"
+    square: tuple[tuple[int, ...], str] = (hidden, hidden), "hidden_size x hidden_size"
     prefix = f"encoder.layer.{i}."
     shapes = {f"{prefix}attention.self.{p}.weight": square for p in ("query", "key", "value")}
     shapes.update({f"{prefix}attention.self.{p}.bias": h for p in ("query", "key", "value")})
@@ -279,7 +282,7 @@ def encoder_state(weights: dict[str, torch.Tensor], num_layers: int, max_positio
     return state
 
 
-def init_encoder(prepared: Path, encoder: torch.nn.Module) -> bool:
+def init_encoder(prepared: Path, encoder: TransformerEncoder) -> bool:
     """train's hook: load the staged BERT weights into `encoder` (a TransformerEncoder built from
     `encoder_config`). Returns False (encoder untouched) when the run was prepared without one."""
     from safetensors.torch import load_file

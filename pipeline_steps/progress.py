@@ -38,9 +38,10 @@ class Progress:
         self._rich: Any = None
         self._task: Any = None
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         if self.enabled and self.live:
-            from rich.progress import BarColumn, Progress as RichProgress, TextColumn, TimeRemainingColumn
+            from rich.progress import BarColumn, TextColumn, TimeRemainingColumn
+            from rich.progress import Progress as RichProgress
 
             self._rich = RichProgress(
                 TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),

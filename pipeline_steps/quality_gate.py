@@ -5,8 +5,9 @@ and floors, and the decision (pass, or which check failed and by how much). docs
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from . import retrieval_metrics, s3
 from .errors import BadConfigError, BadInputError

@@ -7,7 +7,7 @@ and a query may have several relevant products.
 
 from __future__ import annotations
 
-from typing import Collection, Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 import torch

@@ -16,9 +16,11 @@ from typing import Any
 import torch
 
 from pipeline_contract import SUCCESS_MARKER
+
 from .config import ModelConfig, from_dict
 from .errors import BadInputError
 from .fileio import fsync_dir, sha256_file
+from .model import EmbeddingModel
 
 log = logging.getLogger("pipeline_steps.export")
 
@@ -127,7 +129,7 @@ def _dense(directory: Path, layer: torch.nn.Linear, activation: str) -> None:
                "linear.bias": layer.bias.detach().float().contiguous()}, str(directory / "model.safetensors"))
 
 
-def write_tower(directory: Path, model: torch.nn.Module, head: torch.nn.Sequential, tokenizer_json: str,
+def write_tower(directory: Path, model: EmbeddingModel, head: torch.nn.Sequential, tokenizer_json: str,
                 max_length: int) -> None:
     """A sentence-transformers folder: encoder -> mean pool -> head (each Linear a Dense) -> L2."""
     from safetensors.torch import save_file

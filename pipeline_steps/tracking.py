@@ -21,13 +21,23 @@ import os
 import re
 import subprocess
 import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from pipeline_contract import (
-    DEFAULT_MLFLOW_EXPERIMENT, GIT_COMMIT_ENV, INSTANCE_TYPE_ENV, MLFLOW_EXPERIMENT_ENV, MLFLOW_TRACKING_URI_ENV,
-    PREPARE_REPORT, RUN_ID_ENV, TEAM_ENV, TRAINING_IMAGE_DIGEST_ENV, TRAINING_IMAGE_URI_ENV,
+    DEFAULT_MLFLOW_EXPERIMENT,
+    GIT_COMMIT_ENV,
+    INSTANCE_TYPE_ENV,
+    MLFLOW_EXPERIMENT_ENV,
+    MLFLOW_TRACKING_URI_ENV,
+    PREPARE_REPORT,
+    RUN_ID_ENV,
+    TEAM_ENV,
+    TRAINING_IMAGE_DIGEST_ENV,
+    TRAINING_IMAGE_URI_ENV,
 )
+
 from .errors import ExitCode
 from .fileio import atomic_write_json, read_json
 from .package_versions import versions  # metadata only: a step that needs no torch never imports it

@@ -12,15 +12,19 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
-from . import checkpoint, data as data_lib, distributed as dist_lib, pretrained, tracking
-from .config import PRETRAINED_TRAIN, DataConfig, ModelConfig, TrainConfig, from_dict, get_preset, to_dict
 from pipeline_contract import PREPARED_DIR, TRAIN_DIR, TRAIN_METRICS, TRAIN_SUMMARY
+
+from . import checkpoint, pretrained, tracking
+from . import data as data_lib
+from . import distributed as dist_lib
+from .config import PRETRAINED_TRAIN, DataConfig, ModelConfig, TrainConfig, from_dict, get_preset, to_dict
 from .errors import BadConfigError, NonFiniteLossError
 from .fileio import append_jsonl, atomic_write_json, sha256_file
 from .heartbeat import Heartbeat
@@ -138,7 +142,7 @@ class XlaAccounting:
         total = dist_lib.compile_count(self.world)
         return {
             "graphs_compiled": total,
-            "compiles_after_warmup": None if self.at_warmup is None else total - self.at_warmup,
+            "compiles_after_warmup": None if self.at_warmup is None or total is None else total - self.at_warmup,
             "warmup_steps": self.warmup_steps,
             "batch_shapes": self.shapes,
             "graphs_not_in_compile_cache": dist_lib.compile_cache_misses(self.world),
@@ -170,6 +174,7 @@ class Trainer:
         dist_lib.seed_everything(cfg.seed)
         model = EmbeddingModel(self.model_cfg)
         self.state = TrainState()
+        self._resume_state: dict[str, Any] | None = None  # a resumed checkpoint's, until applied
         resume = checkpoint.latest(run_dir)
         if resume is not None:
             self._restore(model, resume)
@@ -181,7 +186,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg, world)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, cfg, self.total_steps))
-        saved = self._resume_state["optimizer"] if resume is not None else None
+        saved = self._resume_state["optimizer"] if self._resume_state is not None else None
         dist_lib.init_optimizer_state(world, self.optimizer, saved)
         # XLA: 1 once any step's loss was non-finite; from then on every update is skipped in the
         # graph, so the weights stay those before that step until the host reads the loss and stops.

@@ -13,9 +13,9 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
 
 from pipeline_contract import SUCCESS_MARKER, SUCCESS_MARKER_ENV
 

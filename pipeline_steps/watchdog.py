@@ -15,8 +15,8 @@ import os
 import sys
 import threading
 import time
-from datetime import datetime, timezone
-from typing import Callable
+from collections.abc import Callable
+from datetime import UTC, datetime
 
 from .errors import ExitCode, record_exit_code
 
@@ -28,7 +28,7 @@ REPORT_GRACE_S = 10.0
 
 
 def _utc(epoch_s: float) -> str:
-    return datetime.fromtimestamp(epoch_s, tz=timezone.utc).isoformat(timespec="seconds")
+    return datetime.fromtimestamp(epoch_s, tz=UTC).isoformat(timespec="seconds")
 
 
 class Watchdog:
@@ -70,7 +70,7 @@ class Watchdog:
 
     # ------------------------------------------------------------------ public API
 
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         if not self.enabled:
             log.info("stall watchdog for %s disabled (timeout_s=%s)", self.what, self.timeout_s)
             return self
@@ -100,7 +100,7 @@ class Watchdog:
     def seconds_since_beat(self) -> float:
         return time.monotonic() - self._last_beat_mono
 
-    def __enter__(self) -> "Watchdog":
+    def __enter__(self) -> Watchdog:
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:

@@ -45,7 +45,7 @@ def node_warning(node: str) -> str | None:
 def main() -> int:
     node = shutil.which("node")
     problem = node_problem(node)
-    if problem:
+    if problem or node is None:
         print(f"error: {problem}", file=sys.stderr)
         return 1
     warning = node_warning(node)

@@ -21,9 +21,10 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from scripts.stage_synth import SNAPSHOT_STAGES, build, snapshot_path, template_json
 
@@ -94,7 +95,7 @@ def _statements(logical_id: str, resource: dict[str, Any]) -> Iterable[tuple[str
 
 
 def iam_rows(template: dict[str, Any]) -> set[tuple[str, ...]]:
-    rows = set()
+    rows: set[tuple[str, ...]] = set()
     for logical_id, resource in template.get("Resources", {}).items():
         for owner, document in _statements(logical_id, resource):
             statements = document.get("Statement", [])

@@ -14,8 +14,18 @@ from aws_cdk import aws_ecs as ecs
 from constructs import Construct
 
 from pipeline_contract import (
-    CANARY, COMPILE_CACHE_BASE_ENV, MLFLOW_EXPERIMENT_ENV, MLFLOW_TRACKING_URI_ENV, PIPELINE_STEPS,
-    RDZV_TIMEOUT_ENV, RUNS_PREFIX, STAGE_ENV, SUCCESS_MARKER, SUCCESS_MARKER_ENV, TEAM_ENV, TRAINING_IMAGE_URI_ENV,
+    CANARY,
+    COMPILE_CACHE_BASE_ENV,
+    MLFLOW_EXPERIMENT_ENV,
+    MLFLOW_TRACKING_URI_ENV,
+    PIPELINE_STEPS,
+    RDZV_TIMEOUT_ENV,
+    RUNS_PREFIX,
+    STAGE_ENV,
+    SUCCESS_MARKER,
+    SUCCESS_MARKER_ENV,
+    TEAM_ENV,
+    TRAINING_IMAGE_URI_ENV,
     AttemptTimeout,
 )
 from stacks.config import StageConfig
@@ -26,8 +36,8 @@ from stacks.constructs.mlflow_tracking import MlflowTracking
 from stacks.constructs.prefix_access import grant_prefixes
 from stacks.constructs.retention import retention_days
 from stacks.constructs.secure_bucket import acknowledge_bucket_grants
-from stacks.constructs.trainium_compute import TrainiumCompute
 from stacks.constructs.training_image import training_image_asset
+from stacks.constructs.trainium_compute import TrainiumCompute
 from stacks.network_stack import NetworkStack
 from stacks.storage_stack import StorageStack
 from stacks.team_config import TeamConfig

@@ -20,7 +20,6 @@ from pipeline_steps.config import PRESETS
 from stacks.pipeline_config import PipelineConfig
 from stacks.team_config import TeamConfig, check_teams
 
-
 _AMI_RE = re.compile(r"^ami-[0-9a-f]{8}([0-9a-f]{9})?$")
 # AWS's current recommended ECS-optimized AL2023 Neuron AMI, per region (public SSM parameter).
 NEURON_AMI_SSM_PARAMETER = "/aws/service/ecs/optimized-ami/amazon-linux-2023/neuron/recommended/image_id"

@@ -21,11 +21,15 @@ from cdk_nag import NagSuppressions
 from constructs import Construct
 
 from pipeline_contract import (
-    MLFLOW_TRACKING_SERVER_OUTPUT, SINGLE_NODE_INSTANCE_TYPE_OUTPUT, SINGLE_NODE_QUEUE, STATE_MACHINE_OUTPUT,
-    TRAINING_INSTANCE_TYPE_OUTPUT, TRAINING_QUEUE,
+    MLFLOW_TRACKING_SERVER_OUTPUT,
+    SINGLE_NODE_INSTANCE_TYPE_OUTPUT,
+    SINGLE_NODE_QUEUE,
+    STATE_MACHINE_OUTPUT,
+    TRAINING_INSTANCE_TYPE_OUTPUT,
+    TRAINING_QUEUE,
 )
-from stacks.constructs.alert_topic import AlertTopic
 from stacks.config import SlackConfig
+from stacks.constructs.alert_topic import AlertTopic
 from stacks.constructs.canary import Canary
 from stacks.constructs.failure_diagnosis import FailureDiagnosis
 from stacks.constructs.job_definitions import JobDefinitionRef, TeamJobs
@@ -142,16 +146,16 @@ class PipelineStack(Stack):
     def _access(self, teams: Sequence[TeamJobs], data_bucket: s3.IBucket, artifacts_bucket: s3.IBucket,
                 admin_principals: Sequence[str], stack_names: Sequence[str]) -> tuple[dict[str, iam.Role], iam.Role | None]:
         """Each team's role and the platform admin role (a stage with teams only)."""
-        named = [p for p in self.pipelines.values() if p.jobs.team is not None]
-        roles = {p.jobs.team.name: team_role(
-            self, f"{p.prefix}Role", team=p.jobs.team, state_machine=p.pipeline.state_machine,
+        named = [(p, p.jobs.team) for p in self.pipelines.values() if p.jobs.team is not None]
+        roles = {team.name: team_role(
+            self, f"{p.prefix}Role", team=team, state_machine=p.pipeline.state_machine,
             data_bucket=data_bucket, artifacts_bucket=artifacts_bucket, log_group=p.jobs.log_group,
-            ownership=p.ownership, stack_names=stack_names) for p in named}
+            ownership=p.ownership, stack_names=stack_names) for p, team in named}
         if not named:
             return roles, None
         return roles, admin_role(self, "AdminRole", principals=admin_principals,
-                                 state_machines=[p.pipeline.state_machine for p in named], data_bucket=data_bucket,
-                                 artifacts_bucket=artifacts_bucket, log_groups=[p.jobs.log_group for p in named],
+                                 state_machines=[p.pipeline.state_machine for p, _ in named], data_bucket=data_bucket,
+                                 artifacts_bucket=artifacts_bucket, log_groups=[p.jobs.log_group for p, _ in named],
                                  ownership=self.ownership, stack_names=stack_names)
 
     def _outputs(self, queues: Mapping[str, batch.IJobQueue], instance_types: Mapping[str, str],

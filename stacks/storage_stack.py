@@ -3,6 +3,7 @@ these resources are pinned by tests (renaming one would replace -- i.e. lose -- 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from aws_cdk import CfnOutput, Duration, RemovalPolicy, Stack
@@ -31,22 +32,13 @@ class StorageStack(Stack):
 
         self.key = self._encryption_key(config)
         self.log_bucket = access_log_bucket(self, "LogBucket", expiration_days=storage.access_log_expiration_days)
-        common = {
-            "key": self.key,
-            "log_bucket": self.log_bucket,
-            "noncurrent_version_expiration_days": storage.noncurrent_version_expiration_days,
-        }
+        common = functools.partial(secure_bucket, self, key=self.key, log_bucket=self.log_bucket,
+                                   noncurrent_version_expiration_days=storage.noncurrent_version_expiration_days)
         # EventBridge on the data bucket: the pipeline's trigger listens for `_SUCCESS` markers.
-        self.data_bucket = secure_bucket(self, "DataBucket", event_bridge_enabled=True, **common)
-        self.artifacts_bucket = secure_bucket(self, "ArtifactsBucket", **common)
-        self.cache_bucket = secure_bucket(
-            self,
-            "CacheBucket",
-            extra_lifecycle_rules=[
-                s3.LifecycleRule(id="ExpireCacheEntries", expiration=Duration.days(storage.cache_expiration_days))
-            ],
-            **common,
-        )
+        self.data_bucket = common("DataBucket", event_bridge_enabled=True)
+        self.artifacts_bucket = common("ArtifactsBucket")
+        self.cache_bucket = common("CacheBucket", extra_lifecycle_rules=[
+            s3.LifecycleRule(id="ExpireCacheEntries", expiration=Duration.days(storage.cache_expiration_days))])
 
         self.lustre = LustreStorage(
             self,

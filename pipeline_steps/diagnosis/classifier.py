@@ -17,7 +17,7 @@ import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import resources
 from pathlib import Path
 
@@ -170,11 +170,11 @@ def line_time(text: str) -> float | None:
         match = _NEURON.search(head)
         if match:
             month = _MONTHS.index(match.group(2)) + 1
-    if not match:
+    if not match or month is None:
         return None
     year, day, hour, minute, second = (int(match.group(i)) for i in (1, 3, 4, 5, 6))
     try:
-        moment = datetime(year, month, day, hour, minute, second, tzinfo=timezone.utc)
+        moment = datetime(year, month, day, hour, minute, second, tzinfo=UTC)
     except ValueError:
         return None
     seconds = moment.timestamp() + float("0." + (match.group(7) or "0"))
@@ -212,7 +212,7 @@ class NodeLog:
 def _iso(seconds: float | None) -> str | None:
     if seconds is None:
         return None
-    return datetime.fromtimestamp(seconds, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 @dataclass(frozen=True)
@@ -283,12 +283,14 @@ def _scan(sources: Sequence[NodeLog], rules: Rules) -> list[_Match]:
             scanned = text[:_SCAN_CHARS]
             rule = rules.best_rule(scanned)
             if rule is not None or rules.unknown_evidence.search(scanned):
-                found.append(_Match(rule, Evidence(source.node, i + 1, _shown(text), rule and rule.id, t), (n, i)))
+                rule_id = rule.id if rule is not None else None
+                found.append(_Match(rule, Evidence(source.node, i + 1, _shown(text), rule_id, t), (n, i)))
     return found
 
 
 def _evidence(decisive: _Match, matches: list[_Match]) -> tuple[Evidence, ...]:
     """The deciding line, then other lines of its class (one per distinct text and node)."""
+    assert decisive.rule is not None  # a line is decisive by its rule
     shown, seen = [decisive.evidence], {(decisive.evidence.node, decisive.evidence.text)}
     for m in sorted(matches, key=_Match.key):
         key = (m.evidence.node, m.evidence.text)
@@ -336,5 +338,5 @@ def classify(logs: Sequence[NodeLog], *, exit_code: int | None = None, status_re
                            exit_code=exit_code, rule=first.rule)
     recent = [m.evidence for m in sorted(found, key=lambda m: m.order)][-MAX_EVIDENCE:]
     earliest = min(found, key=lambda m: (m.evidence.time is None, m.evidence.time or 0.0, m.order)) if found else None
-    return _from_class(rules, by_exit_code or UNKNOWN, tuple(recent), earliest and earliest.evidence.node,
+    return _from_class(rules, by_exit_code or UNKNOWN, tuple(recent), earliest.evidence.node if earliest else None,
                        exit_code=exit_code)

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from pipeline_contract import EMBEDDINGS_DIR
+
 from .. import distributed, tracking
 from ..embedding_shards import build_manifest, detect_shard_count, part_name, shard_status, sidecar_path, write_shard
 from ..inference import DEFAULT_BATCH_SIZE, check_compatible, embed_products, load_for_inference, resolve_checkpoint

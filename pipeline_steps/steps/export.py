@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline_contract import GATE_REPORT
+
 from .. import tracking
 from ..errors import BadConfigError
 from ..fileio import read_json

@@ -20,11 +20,13 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+
+from pipeline_contract import PREPARED_DIR, VALIDATION_METRICS
 
 from .. import distributed as dist_lib
-from pipeline_contract import PREPARED_DIR, VALIDATION_METRICS
 from ..errors import BadConfigError, ExitCode, StepError
 from ..fileio import atomic_write_json
 from ..parity_report import build_report, missing_runs, run_dir_for

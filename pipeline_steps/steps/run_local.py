@@ -24,9 +24,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline_contract import (
+    COMPILE_REPORT,
+    EMBEDDINGS_DIR,
+    EMBEDDINGS_MANIFEST,
+    GATE_REPORT,
+    TRAIN_SUMMARY,
+    VALIDATION_METRICS,
+)
+
 from .. import cost, tracking
-from pipeline_contract import (COMPILE_REPORT, EMBEDDINGS_DIR, EMBEDDINGS_MANIFEST, GATE_REPORT, TRAIN_SUMMARY,
-                       VALIDATION_METRICS)
 from ..errors import BadConfigError, ExitCode
 from ..fileio import atomic_write_json, read_json
 

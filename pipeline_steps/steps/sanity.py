@@ -15,15 +15,23 @@ import argparse
 import logging
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 from pipeline_contract import INSTANCE_TYPE_ENV, INSTANCE_TYPES, NPROC_PER_NODE_ENV
+
 from .. import distributed, tracking
 from ..collective_checks import (
-    COLLECTIVE_CHECKS, FAULT_RANK_ENV, check_all_gather, check_all_reduce, check_matmul, check_reduce_scatter, fault_rank,
+    COLLECTIVE_CHECKS,
+    FAULT_RANK_ENV,
+    check_all_gather,
+    check_all_reduce,
+    check_matmul,
+    check_reduce_scatter,
+    fault_rank,
 )
 from ..errors import BadConfigError, ExitCode, RetryableError
 from ..fileio import atomic_write_json

@@ -16,9 +16,11 @@ from __future__ import annotations
 import argparse
 import logging
 
-from .. import distributed as dist_lib, tracking
-from ..config import to_dict
 from pipeline_contract import COMPILE_CACHE_DIR, TRAIN_METRICS
+
+from .. import distributed as dist_lib
+from .. import tracking
+from ..config import to_dict
 from ..heartbeat import Heartbeat
 from ..model import count_parameters
 from ..trainer import Trainer, add_train_args, resolve_train_config, run_training

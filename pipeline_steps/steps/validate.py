@@ -16,11 +16,12 @@ from __future__ import annotations
 import argparse
 import logging
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from pipeline_contract import GATE_REPORT, VALIDATION_DIR, VALIDATION_METRICS
+
 from .. import distributed, retrieval_metrics, s3, tracking
 from ..checkpoint_comparison import COMPARE_REPORT, run_compare
 from ..errors import GateFailedError
@@ -28,7 +29,13 @@ from ..fileio import atomic_write_json
 from ..holdout_evaluation import BM25_PARAMS, bm25_metrics, evaluate_model, holdout_queries, print_table
 from ..inference import DEFAULT_BATCH_SIZE, check_compatible, load_for_inference
 from ..quality_gate import (
-    DEFAULT_GATED_METRICS, DEFAULT_TOLERANCE, SANITY_FACTOR, SANITY_METRIC, decide_gate, load_previous, parse_floors,
+    DEFAULT_GATED_METRICS,
+    DEFAULT_TOLERANCE,
+    SANITY_FACTOR,
+    SANITY_METRIC,
+    decide_gate,
+    load_previous,
+    parse_floors,
     parse_gated,
 )
 
@@ -77,7 +84,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def run_validate(args: argparse.Namespace) -> dict[str, Any]:

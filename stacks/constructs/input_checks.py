@@ -14,8 +14,19 @@ from aws_cdk import aws_stepfunctions as sfn
 
 from pipeline_contract import FSX_DATA, TeamPaths
 from pipeline_contract.execution_input import (
-    ARRAY_SIZE, DATA_URI, DATASET, EMBED_SHARDS, INIT_FROM, INTEGER_FIELDS, NUM_NODES, PREPARE_SHARDS, PRIORITY,
-    PRIORITY_FIELD, SHARE, VERSION, Bounds,
+    ARRAY_SIZE,
+    DATA_URI,
+    DATASET,
+    EMBED_SHARDS,
+    INIT_FROM,
+    INTEGER_FIELDS,
+    NUM_NODES,
+    PREPARE_SHARDS,
+    PRIORITY,
+    PRIORITY_FIELD,
+    SHARE,
+    VERSION,
+    Bounds,
 )
 from stacks.constructs.pipeline_states import PipelineStates
 

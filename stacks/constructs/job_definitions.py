@@ -21,7 +21,13 @@ from cdk_nag import NagPackSuppression, NagSuppressions
 from constructs import Construct
 
 from pipeline_contract import (
-    BATCH_JOBS, FSX_MOUNT_POINT, INSTANCE_TYPE_ENV, NPROC_PER_NODE_ENV, AttemptTimeout, ExitCode, InstanceSpec,
+    BATCH_JOBS,
+    FSX_MOUNT_POINT,
+    INSTANCE_TYPE_ENV,
+    NPROC_PER_NODE_ENV,
+    AttemptTimeout,
+    ExitCode,
+    InstanceSpec,
     PipelineStep,
 )
 from stacks.config import TrainingConfig
@@ -190,11 +196,14 @@ class JobDefinitions(Construct):
             step.name: self._multi_node(step) if step.multi_node else self._single_node_job(step)
             for step in BATCH_JOBS if steps is None or step.name in steps}
         self._acknowledge_image_pull()
-        self.refs = {step: JobDefinitionRef(name=self._name(step), timeout=job.timeout, retry_attempts=job.retry_attempts)
-                     for step, job in self.job_definitions.items()}
+        self.refs = {step: self._ref(step, job) for step, job in self.job_definitions.items()}
 
     def _name(self, step: str) -> str:
         return f"{self._name_prefix}-{step}"
+
+    def _ref(self, step: str, job: batch.IJobDefinition) -> JobDefinitionRef:
+        assert job.timeout is not None and job.retry_attempts is not None  # every job definition sets both
+        return JobDefinitionRef(name=self._name(step), timeout=job.timeout, retry_attempts=int(job.retry_attempts))
 
     def _step_container(self, step: PipelineStep) -> batch.EcsEc2ContainerDefinition:
         """The step's container: multi-node ones with the EFA and the graph-deciding environment."""

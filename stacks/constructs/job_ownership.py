@@ -30,7 +30,7 @@ class JobOwnership:
     tags: Mapping[str, str]
 
     @classmethod
-    def of(cls, stack: Stack, team: str | None = None) -> "JobOwnership":
+    def of(cls, stack: Stack, team: str | None = None) -> JobOwnership:
         """The pipeline's jobs, or with `team` that team's jobs only (jobs carry both tags)."""
         return cls(stack=stack, tags={PIPELINE_TAG: stack.stack_name, **({TEAM_TAG: team} if team else {})})
 

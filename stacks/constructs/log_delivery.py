@@ -5,13 +5,13 @@ group, and Express state machines that log every execution.
 from __future__ import annotations
 
 import jsii
-
 from aws_cdk import ArnFormat, Duration, RemovalPolicy, Stack
 from aws_cdk import aws_events as events
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_kms as kms
 from aws_cdk import aws_logs as logs
 from aws_cdk import aws_stepfunctions as sfn
+from aws_cdk.interfaces.aws_events import IRuleRef
 from constructs import Construct
 
 from stacks.constructs.retention import retention_days
@@ -28,7 +28,7 @@ class _LogGroupTarget:
     def __init__(self, log_group: logs.ILogGroup) -> None:
         self._log_group = log_group
 
-    def bind(self, rule: events.IRule, id: str | None = None) -> events.RuleTargetConfig:  # noqa: A002
+    def bind(self, rule: IRuleRef, id: str | None = None) -> events.RuleTargetConfig:  # noqa: A002
         return events.RuleTargetConfig(arn=Stack.of(rule).format_arn(
             service="logs", resource="log-group", resource_name=self._log_group.log_group_name,
             arn_format=ArnFormat.COLON_RESOURCE_NAME))

@@ -44,11 +44,17 @@ def operate(role: iam.Role, *, state_machines: Sequence[sfn.IStateMachine], log_
     role.add_to_policy(iam.PolicyStatement(
         actions=["states:DescribeExecution", "states:GetExecutionHistory", "states:StopExecution"],
         resources=[stack.format_arn(service="states", resource="execution", arn_format=ArnFormat.COLON_RESOURCE_NAME,
-                                    resource_name=f"{machine.state_machine_name}:*") for machine in state_machines]))
+                                    resource_name=f"{_name(machine)}:*") for machine in state_machines]))
     role.add_to_policy(ownership.act_on_jobs("batch:TerminateJob", "batch:CancelJob"))
     role.add_to_policy(iam.PolicyStatement(actions=list(_UNSCOPED_READS), resources=["*"]))
     for log_group in log_groups:
         log_group.grant(role, "logs:GetLogEvents", "logs:FilterLogEvents")
+
+
+def _name(machine: sfn.IStateMachine) -> str:
+    """A state machine's name: every machine here is one of the stage's own (an L2 StateMachine)."""
+    assert isinstance(machine, sfn.StateMachine), machine
+    return machine.state_machine_name
 
 
 def team_role(scope: Construct, construct_id: str, *, team: TeamConfig, state_machine: sfn.IStateMachine,

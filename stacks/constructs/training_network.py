@@ -162,6 +162,7 @@ class TrainingNetwork(Construct):
         # (DeliverLogsPermissionArn is create-only).
         scoped = for_this_account(self, "vpc-flow-logs.amazonaws.com", source_arn_pattern=Stack.of(self).format_arn(
             service="ec2", resource="vpc-flow-log", resource_name="*"))
+        assert flow_log.iam_role is not None  # the L2 creates one when none is given
         role = flow_log.iam_role.node.default_child
         assert isinstance(role, iam.CfnRole)
         role.add_property_override("AssumeRolePolicyDocument.Statement.0.Condition", scoped.policy_fragment.conditions)
@@ -214,7 +215,9 @@ class TrainingNetwork(Construct):
             cfn.add_property_deletion_override("AvailabilityZone")
             cfn.add_property_override("AvailabilityZoneId", training_az_id)
         training_subnet = vpc.select_subnets(subnet_type=private_type).subnets[0]
-        zone.subnet = training_subnet.node.default_child
+        cfn_training_subnet = training_subnet.node.default_child
+        assert isinstance(cfn_training_subnet, ec2.CfnSubnet)
+        zone.subnet = cfn_training_subnet
         _acknowledge_restrict_handler(self)
         return vpc, training_subnet
 

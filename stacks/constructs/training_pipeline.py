@@ -20,14 +20,22 @@ from aws_cdk import aws_stepfunctions as sfn
 from constructs import Construct
 
 from pipeline_contract import (
-    GATE_REPORT, HEARTBEAT_NAMESPACE, PIPELINE_STEPS, RUN_ID_PARAMETER, SINGLE_NODE_QUEUE, TRAINING_QUEUE, PipelineStep,
-    TeamPaths, execution_input, run_key,
+    GATE_REPORT,
+    HEARTBEAT_NAMESPACE,
+    PIPELINE_STEPS,
+    RUN_ID_PARAMETER,
+    SINGLE_NODE_QUEUE,
+    TRAINING_QUEUE,
+    PipelineStep,
+    TeamPaths,
+    execution_input,
+    run_key,
 )
+from stacks.constructs.array_jobs import array_fields
 from stacks.constructs.input_checks import input_checks, input_rules, policy_shares
 from stacks.constructs.job_definitions import JobDefinitionRef
 from stacks.constructs.job_ownership import JobOwnership
 from stacks.constructs.pipeline_states import PipelineStates
-from stacks.constructs.array_jobs import array_fields
 from stacks.constructs.publish import export_uri, publish
 from stacks.constructs.quality_gate import gate, production_baseline
 from stacks.constructs.retention import retention_days

@@ -7,14 +7,13 @@ duplicate event is a no-op. docs/orchestration.md ("Upload contract") has the ru
 
 from __future__ import annotations
 
+from aws_cdk import Duration
 from aws_cdk import aws_events as events
 from aws_cdk import aws_events_targets as targets
 from aws_cdk import aws_kms as kms
 from aws_cdk import aws_s3 as s3
 from aws_cdk import aws_stepfunctions as sfn
 from constructs import Construct
-
-from aws_cdk import Duration
 
 from pipeline_contract import FSX_DATA
 from stacks.constructs.log_delivery import encrypted_log_group, express_state_machine

@@ -8,15 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from torch import nn
-
 import numpy as np
+from torch import nn
 
 from benchmarks.bench import Shape, embed_flops, matmul_params, train_step_flops
 from pipeline_steps.config import get_preset
 from pipeline_steps.fileio import read_json
 from pipeline_steps.model import TransformerEncoder
-
 from tests.steps.conftest import REPO, cli_env
 
 DOCUMENTED_KEYS = {"train_ratio_vs_peer", "embed_ratio_vs_peer", "embed_mfu_vs_ceiling", "embed_by_preset",

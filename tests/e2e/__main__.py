@@ -21,7 +21,6 @@ from pathlib import Path
 
 from pipeline_contract import run_path
 from pipeline_steps.demo_data import write_demo
-
 from tests.e2e.local_batch import clean
 from tests.e2e.world import E2EWorld, one_node_run_input
 

@@ -26,10 +26,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline_contract import CHECKPOINTS_DIR, run_path
 from pipeline_steps.demo_data import write_demo
 from tests.e2e.local_batch import Fault, JobRun
 from tests.e2e.stage import Stage, synthesize
-from pipeline_contract import CHECKPOINTS_DIR, run_path
 from tests.e2e.world import E2EWorld, RunResult, local_run_dir, one_node_run_input
 
 PRESET = "tiny"

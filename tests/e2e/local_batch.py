@@ -45,7 +45,12 @@ from typing import Any
 
 from tests.e2e import standin
 from tests.e2e.substitutions import (
-    DROPPED, FSX_MOUNT, PROCESSES_PER_NODE, SANITY_INSTANCE_TYPE, SUBSTITUTIONS, XLA_ACROSS_PROCESSES,
+    DROPPED,
+    FSX_MOUNT,
+    PROCESSES_PER_NODE,
+    SANITY_INSTANCE_TYPE,
+    SUBSTITUTIONS,
+    XLA_ACROSS_PROCESSES,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -74,7 +79,7 @@ class JobDefinitionSpec:
     timeout_s: int | None = None
 
     @classmethod
-    def from_properties(cls, name: str, props: dict[str, Any]) -> "JobDefinitionSpec":
+    def from_properties(cls, name: str, props: dict[str, Any]) -> JobDefinitionSpec:
         """From resolved CloudFormation properties (PascalCase, as synthesized)."""
         node_props = props.get("NodeProperties")
         if node_props:

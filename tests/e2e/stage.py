@@ -14,13 +14,17 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aws_cdk as cdk
-from scripts.stage_synth import (
-    TEST_DIAGNOSIS_ASSET_HASH, TEST_IMAGE, cdk_json_context, stage_config, template_json,
-)
 
+from scripts.stage_synth import (
+    TEST_DIAGNOSIS_ASSET_HASH,
+    TEST_IMAGE,
+    cdk_json_context,
+    stage_config,
+    template_json,
+)
 from stacks.config import StageConfig
-from tests.cfn_references import resolve_references
 from stacks.stages import build_stage
+from tests.cfn_references import resolve_references
 
 STAGE = "dev"
 PSEUDO = {"AWS::Partition": "aws", "AWS::URLSuffix": "amazonaws.com"}

@@ -11,11 +11,20 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline_contract import (
-    CHECKPOINTS_DIR, COMPILE_REPORT, EMBEDDINGS_DIR, EMBEDDINGS_MANIFEST, GATE_REPORT, PREPARE_REPORT, PREPARED_DIR,
-    TRAIN_SUMMARY, VALIDATION_METRICS, run_key, run_path,
+    CHECKPOINTS_DIR,
+    COMPILE_REPORT,
+    EMBEDDINGS_DIR,
+    EMBEDDINGS_MANIFEST,
+    GATE_REPORT,
+    PREPARE_REPORT,
+    PREPARED_DIR,
+    TRAIN_SUMMARY,
+    VALIDATION_METRICS,
+    batch_job,
+    run_key,
+    run_path,
 )
 from pipeline_steps.checkpoint import load
-from pipeline_contract import batch_job
 from tests.e2e.conftest import DATASET, KILLED_NODE
 from tests.e2e.local_batch import JobDefinitionSpec, local_path, substitute
 from tests.e2e.stage import INFRA_TESTS

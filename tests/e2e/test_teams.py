@@ -15,12 +15,11 @@ import sys
 import pytest
 
 from pipeline_contract import CHECKPOINTS_DIR, run_path
+from scripts.stage_synth import teams_stage_config
 from stacks.team_config import MIN_QUOTA_GIB
 from tests.e2e.conftest import DATASET, PRESET
 from tests.e2e.stage import synthesize
 from tests.e2e.world import E2EWorld, local_run_dir
-
-from scripts.stage_synth import teams_stage_config
 from tests.infra.node_boot import boot, boot_scripts
 
 pytestmark = pytest.mark.slow
@@ -87,7 +86,7 @@ def runs(teams, demo_data):
 
 
 def test_the_full_teams_run_fails_at_its_first_write_with_the_storage_class(teams, runs):
-    (world, config), (results, notifications, full) = teams, runs
+    (_, config), (results, notifications, full) = teams, runs
     assert full == 1024 * 1024 == config.teams[0].fsx_quota_kib * 1024  # the boot applied the team's quota
     search = results["search"]
     assert search.status == "FAILED" and search.visited[-3:] == ["DiagnoseFailure", "NotifyFailure", "Failed"]

@@ -27,7 +27,6 @@ from moto.server import ThreadedMotoServer
 from pipeline_contract import CANARY, FSX_INCOMING, FSX_MOUNT_POINT, TeamPaths, run_path
 from tests.e2e.local_batch import JobDefinitionSpec, JobRun, LocalBatch, LocalSetup
 from tests.e2e.stage import Stage, synthesize
-
 from tests.infra.moto_batch import eventbridge_starts_executions, patched_moto_batch
 
 MOTO_CONFIG = {"stepfunctions": {"execute_state_machine": True}, "batch": {"use_docker": False}}
@@ -78,7 +77,7 @@ class E2EWorld:
         self._definition_arns: dict[str, str] = {}
 
     # ---- set-up ----------------------------------------------------------------------------
-    def __enter__(self) -> "E2EWorld":
+    def __enter__(self) -> E2EWorld:
         stack = self._stack
         self.stage = self.stage or synthesize(self.preset)
         stack.enter_context(mock_aws(config=MOTO_CONFIG))

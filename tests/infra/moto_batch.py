@@ -53,11 +53,11 @@ from __future__ import annotations
 import datetime
 import json
 import os
-
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib.metadata import version
-from typing import Any, Callable, Iterator
+from typing import Any
 from unittest import mock
 
 import boto3
@@ -65,6 +65,7 @@ from botocore.exceptions import ClientError
 from moto.batch.models import Job, JobStatus
 from moto.batch_simple.models import BatchSimpleBackend
 from moto.stepfunctions.models import StepFunctionBackend
+from moto.stepfunctions.parser.asl.component.state.exec.state_task import lambda_eval_utils
 from moto.stepfunctions.parser.asl.component.state.exec.state_task.service import (
     state_task_service_aws_sdk as aws_sdk_module,
 )
@@ -77,7 +78,6 @@ from moto.stepfunctions.parser.asl.component.state.exec.state_task.service impor
 from moto.stepfunctions.parser.asl.component.state.exec.state_task.service import (
     state_task_service_sns as sns_module,
 )
-from moto.stepfunctions.parser.asl.component.state.exec.state_task import lambda_eval_utils
 from moto.stepfunctions.parser.asl.component.state.wait.wait_function.wait_function import WaitFunction
 from moto.stepfunctions.parser.backend.execution_worker import ExecutionWorker
 
@@ -113,7 +113,7 @@ def _iso_timestamps(value) -> None:
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in list(items):
         if isinstance(item, datetime.datetime):
-            value[key] = item.astimezone(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+            value[key] = item.astimezone(datetime.UTC).isoformat().replace("+00:00", "Z")
         else:
             _iso_timestamps(item)
 
@@ -237,7 +237,7 @@ def patched_moto_batch() -> Iterator[BatchHooks]:
         env = original_environment(self)
         execution = env.states.context_object.context_object_data["Execution"]
         if hasattr(execution["StartTime"], "isoformat"):
-            execution["StartTime"] = execution["StartTime"].astimezone(datetime.timezone.utc).strftime(
+            execution["StartTime"] = execution["StartTime"].astimezone(datetime.UTC).strftime(
                 "%Y-%m-%dT%H:%M:%S.%fZ")
         return env
 

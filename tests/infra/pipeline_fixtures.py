@@ -16,11 +16,11 @@ from aws_cdk import aws_s3 as s3
 from aws_cdk.assertions import Template
 
 from scripts.stage_synth import TEST_DIAGNOSIS_ASSET_HASH
-from tests.cfn_references import resolve_references
 from stacks.constructs.job_definitions import JobDefinitionRef, TeamJobs
 from stacks.pipeline_config import PipelineConfig
 from stacks.pipeline_stack import PipelineStack
 from stacks.team_config import TeamConfig
+from tests.cfn_references import resolve_references
 
 ENV = Environment(account="123456789012", region="us-east-1")
 JOB_DEFINITIONS = ("prepare", "prepare-shards", "prepare-finish", "sanity", "compile", "train", "validate", "embed",
@@ -87,7 +87,7 @@ TEST_CONFIG = PipelineConfig(retry_interval_seconds=1, retry_max_delay_seconds=2
 
 
 @functools.lru_cache(maxsize=2)
-def synthesized(team: TeamConfig | None = None) -> "Synthesized":
+def synthesized(team: TeamConfig | None = None) -> Synthesized:
     """The stand-in stage's pipeline (the default team's, or `team`'s), synthesized once."""
     stack, deps = build(TEST_CONFIG, team)
     return Synthesized(stack=stack, deps=deps, template=Template.from_stack(stack),

@@ -10,14 +10,12 @@ import pytest
 from aws_cdk import App, CfnOutput, CfnResource, Environment, Stack
 from aws_cdk.assertions import Annotations, Match, Template
 
+from pipeline_contract import INSTANCE_TYPES, PIPELINE_STEPS, batch_job
 from scripts.stage_synth import TEST_ONLY_AMI_ID, stage_config
-from pipeline_contract import INSTANCE_TYPES
 from stacks.config import NEURON_AMI_SSM_PARAMETER, ComputeConfig, NeuronAmi, StageConfig
-from stacks.constructs.trainium_compute import neuron_machine_image
 from stacks.constructs.efa_launch_template import network_interfaces, node_boot_script
-from pipeline_contract import batch_job
 from stacks.constructs.job_definitions import EFA_ENVIRONMENT, device_list
-from pipeline_contract import PIPELINE_STEPS
+from stacks.constructs.trainium_compute import neuron_machine_image
 
 PREPARE_JOBS = tuple(step.name for step in PIPELINE_STEPS if step.command == "prepare")
 

@@ -118,7 +118,7 @@ def test_prod_requires_a_pinned_ami_with_the_fix_it():
     stage = get_stage("prod").with_env(region="eu-north-1")  # importable and constructible ...
     with pytest.raises(ValueError, match=r"no Neuron AMI pinned for region 'eu-north-1'.*"
                                          r"scripts/infra_pin_ami.sh eu-north-1.*commit stacks/neuron_amis.json"):
-        stage.neuron_ami  # ... but it cannot be built
+        _ = stage.neuron_ami  # ... but it cannot be built
     assert get_stage("prod").compute.allow_unpinned_ami is False
 
 

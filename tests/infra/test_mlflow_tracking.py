@@ -8,8 +8,8 @@ from aws_cdk import aws_iam as iam
 from aws_cdk import aws_s3 as s3
 from aws_cdk.assertions import Match, Template
 
-from tests.infra.pipeline_fixtures import ENV
 from stacks.constructs.mlflow_tracking import MlflowTracking
+from tests.infra.pipeline_fixtures import ENV
 
 
 @pytest.fixture(scope="module")

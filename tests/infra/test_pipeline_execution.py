@@ -7,7 +7,6 @@ import datetime
 import hashlib
 import json
 import time
-
 from unittest import mock
 
 import boto3
@@ -18,10 +17,10 @@ from moto.stepfunctions.parser.asl.component.state.exec.state_task.service impor
     state_task_service_callback as callback_module,
 )
 
+from stacks.constructs.stall_watchdog import HEARTBEAT_POLL_MINUTES
 from tests.infra.moto_batch import patched_moto_batch
 from tests.infra.pipeline_fixtures import ENV, QUEUE_WAIT, TEST_CONFIG
 from tests.infra.pipeline_world import ARTIFACTS, DATA, REGION, PipelineWorld
-from stacks.constructs.stall_watchdog import HEARTBEAT_POLL_MINUTES
 
 INPUT_CHECKS = ["PrepareInputChecks", "Check_dataset", "Check_version", "Check_data_uri", "Check_init_from",
                 "Check_num_nodes", "Check_embed_shards", "Check_prepare_shards", "Check_priority", "Check_share",
@@ -405,7 +404,7 @@ def _job_event(job: dict, status: str, *, started_at: int | None = None) -> dict
 
 
 def _iso(minutes_ago: float = 0) -> str:
-    moment = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(minutes=minutes_ago)
+    moment = datetime.datetime.now(datetime.UTC) - datetime.timedelta(minutes=minutes_ago)
     return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
@@ -416,7 +415,7 @@ def _alarms(aws) -> list[dict]:
 def _heartbeat(aws, run_id: str, step: int, minutes_ago: float = 0) -> None:
     aws.cloudwatch.put_metric_data(Namespace="TrainiumEmbeddings", MetricData=[{
         "MetricName": "TrainStep", "Value": step, "Unit": "Count",
-        "Timestamp": datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(minutes=minutes_ago),
+        "Timestamp": datetime.datetime.now(datetime.UTC) - datetime.timedelta(minutes=minutes_ago),
         "Dimensions": [{"Name": "Stage", "Value": "dev"}, {"Name": "RunId", "Value": run_id}]}])
 
 

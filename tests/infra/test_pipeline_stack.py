@@ -8,11 +8,11 @@ import pytest
 from aws_cdk.assertions import Match
 from moto.events.models import EventPattern
 
-from tests.infra.pipeline_fixtures import JOB_DEFINITIONS, QUEUE_WAIT, TEST_CONFIG, synthesized
 from pipeline_contract import PIPELINE_STEPS
 from stacks.constructs.stall_watchdog import HEARTBEAT_POLL_MINUTES
 from stacks.constructs.training_pipeline import BATCH_API_ERRORS
 from stacks.pipeline_config import PipelineConfig
+from tests.infra.pipeline_fixtures import JOB_DEFINITIONS, QUEUE_WAIT, TEST_CONFIG, synthesized
 
 FAKE = "X"  # every reference resolves to this: the assertions look at structure, not ARNs
 

@@ -17,10 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from scripts.stage_synth import REPO_ROOT
+from pipeline_contract import INSTANCE_TYPES, PIPELINE_STEPS, batch_job
 from pipeline_steps.heartbeat import Heartbeat
-from pipeline_contract import INSTANCE_TYPES, PIPELINE_STEPS
-from pipeline_contract import batch_job
+from scripts.stage_synth import REPO_ROOT
 
 ENTRYPOINT = REPO_ROOT / "training_image" / "entrypoint.sh"
 
@@ -124,8 +123,12 @@ def test_pipeline_outputs_are_what_the_cli_reads(request, stage):
     """trainium-runs (pipeline_ops/cli.py) reads these outputs of the stack <project>-<stage>-Pipeline,
     by the contract's names (pipeline_contract.stack_outputs)."""
     from pipeline_contract import (
-        DEFAULT_PROJECT, MLFLOW_TRACKING_SERVER_OUTPUT, SINGLE_NODE_INSTANCE_TYPE_OUTPUT, STATE_MACHINE_OUTPUT,
-        TRAINING_INSTANCE_TYPE_OUTPUT, stack_name,
+        DEFAULT_PROJECT,
+        MLFLOW_TRACKING_SERVER_OUTPUT,
+        SINGLE_NODE_INSTANCE_TYPE_OUTPUT,
+        STATE_MACHINE_OUTPUT,
+        TRAINING_INSTANCE_TYPE_OUTPUT,
+        stack_name,
     )
 
     stacks, config = request.getfixturevalue(f"{stage}_stage"), request.getfixturevalue(f"{stage}_config")
@@ -265,8 +268,8 @@ def test_compile_traces_exactly_the_training_command_with_the_same_flags_and_cac
 
 
 def test_precision_sets_the_train_flag_and_stochastic_rounding_together():
-    from stacks.config import TrainingConfig
     from pipeline_contract import training_arguments
+    from stacks.config import TrainingConfig
     from stacks.constructs.job_definitions import training_environment
 
     bf16, fp32 = TrainingConfig(), TrainingConfig(precision="fp32")

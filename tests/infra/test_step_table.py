@@ -11,10 +11,16 @@ from dataclasses import replace
 import pytest
 from aws_cdk.assertions import Template
 
-from scripts.stage_synth import build, stage_config
 from pipeline_contract import (
-    CANARY, PIPELINE_STEPS, RUN_DIR, SUCCESS_MARKER_ENV, Launcher, PipelineStep, batch_job,
+    CANARY,
+    PIPELINE_STEPS,
+    RUN_DIR,
+    SUCCESS_MARKER_ENV,
+    Launcher,
+    PipelineStep,
+    batch_job,
 )
+from scripts.stage_synth import build, stage_config
 
 SCORE = PipelineStep(name="score", launcher=Launcher.SINGLE_NODE,
                      arguments=lambda training: ["--run-dir", RUN_DIR, "--preset", training.preset])

@@ -11,8 +11,8 @@ import re
 
 import pytest
 
-from tests.infra.iam_eval import Request, Stage, decide, may_assume, statement_applies
 from scripts.stage_synth import ADMIN_ROLE, TEAM_ROLES, TEST_ACCOUNT
+from tests.infra.iam_eval import Request, Stage, decide, may_assume, statement_applies
 
 PIPELINE, STORAGE, COMPUTE = "TrnEmbed-dev-Pipeline", "TrnEmbed-dev-Storage", "TrnEmbed-dev-Compute"
 # The role under test: (stack, logical id prefix) of each role that acts for a team or the platform.

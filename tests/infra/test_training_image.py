@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from scripts.stage_synth import REPO_ROOT
 import pipeline_contract
 from pipeline_contract import ExitCode
+from scripts.stage_synth import REPO_ROOT
 from stacks.config import load_pinned_amis
 from stacks.constructs.training_image import BUILD_CONTEXT_EXCLUDE
 

@@ -10,19 +10,17 @@ from unittest import mock
 
 import boto3
 import pytest
+from botocore.exceptions import ClientError
 from moto import mock_aws
 from moto.stepfunctions.parser.asl.component.state.exec.state_task.service import (
     state_task_service_callback as callback_module,
 )
 
-from botocore.exceptions import ClientError
-
+from pipeline_contract import PIPELINE_STEPS
+from pipeline_ops import cli, commands, context
 from tests.infra.moto_batch import patched_moto_batch
 from tests.infra.pipeline_fixtures import ENV, TEAM, synthesized
 from tests.infra.pipeline_world import ARTIFACTS, DATA, PipelineWorld
-
-from pipeline_ops import cli, commands, context
-from pipeline_contract import PIPELINE_STEPS
 
 REGION = ENV.region
 BASE = ["--region", REGION]

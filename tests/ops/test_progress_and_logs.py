@@ -4,20 +4,23 @@ step count from the progress log line) and `logs --node N / --follow`, against m
 from __future__ import annotations
 
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import boto3
 import pytest
 from moto import mock_aws
 from rich.console import Console
 
-from pipeline_ops import cli
-from pipeline_ops import rendering, run_reader, runs
-from pipeline_ops.context import Context
 from pipeline_contract import (
-    HEARTBEAT_LOSS_METRIC, HEARTBEAT_NAMESPACE, HEARTBEAT_RUN_DIMENSION, HEARTBEAT_STAGE_DIMENSION, HEARTBEAT_STEP_METRIC,
+    HEARTBEAT_LOSS_METRIC,
+    HEARTBEAT_NAMESPACE,
+    HEARTBEAT_RUN_DIMENSION,
+    HEARTBEAT_STAGE_DIMENSION,
+    HEARTBEAT_STEP_METRIC,
     HEARTBEAT_THROUGHPUT_METRIC,
 )
+from pipeline_ops import cli, rendering, run_reader, runs
+from pipeline_ops.context import Context
 
 REGION = "us-east-1"
 GROUP = "/aws/batch/job"
@@ -41,7 +44,7 @@ def _put_heartbeats(run_id: str, now: float, points: list[tuple[float, int, floa
     cloudwatch = boto3.client("cloudwatch", region_name=REGION)
     dims = [{"Name": HEARTBEAT_STAGE_DIMENSION, "Value": "prod"}, {"Name": HEARTBEAT_RUN_DIMENSION, "Value": run_id}]
     for ago, step, loss, tokens in points:
-        ts = datetime.fromtimestamp(now - ago, timezone.utc)
+        ts = datetime.fromtimestamp(now - ago, UTC)
         cloudwatch.put_metric_data(Namespace=HEARTBEAT_NAMESPACE, MetricData=[
             {"MetricName": HEARTBEAT_STEP_METRIC, "Dimensions": dims, "Timestamp": ts, "Value": step},
             {"MetricName": HEARTBEAT_LOSS_METRIC, "Dimensions": dims, "Timestamp": ts, "Value": loss},

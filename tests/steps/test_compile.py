@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from pipeline_contract import CHECKPOINTS_DIR, COMPILE_REPORT, PREPARED_DIR
 from pipeline_steps import __main__ as cli
 from pipeline_steps import compile_trial
 from pipeline_steps import distributed as dist_lib
-from pipeline_contract import CHECKPOINTS_DIR, COMPILE_REPORT, PREPARED_DIR
 from pipeline_steps.errors import ExitCode
 from pipeline_steps.fileio import read_json
 

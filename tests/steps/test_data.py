@@ -7,12 +7,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from pipeline_contract import PREPARED_DIR
 from pipeline_steps import data as D
 from pipeline_steps.errors import BadInputError
 from pipeline_steps.prepare import main as prepare_main
-from pipeline_contract import PREPARED_DIR
 
 
 @pytest.fixture(scope="module")

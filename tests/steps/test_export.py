@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from pipeline_contract import DEFAULT_MLFLOW_EXPERIMENT
-from pipeline_steps import checkpoint, data as data_lib, inference as inference_lib
+from pipeline_steps import checkpoint
+from pipeline_steps import data as data_lib
+from pipeline_steps import inference as inference_lib
 from pipeline_steps.config import ModelConfig, from_dict, to_dict
 from pipeline_steps.model import EmbeddingModel
 from tests.steps.conftest import run_cli

@@ -8,9 +8,9 @@ import math
 
 import pytest
 
+from pipeline_contract import HEARTBEAT_NAMESPACE, HEARTBEAT_RUN_DIMENSION, HEARTBEAT_STAGE_DIMENSION
 from pipeline_steps import heartbeat
 from pipeline_steps.heartbeat import Heartbeat, emf_record, enabled_by_env
-from pipeline_contract import HEARTBEAT_NAMESPACE, HEARTBEAT_RUN_DIMENSION, HEARTBEAT_STAGE_DIMENSION
 
 BATCH_ENV = {"AWS_BATCH_JOB_ID": "0b1c2d3e#1", "PIPELINE_STAGE": "prod", "PIPELINE_RUN_ID": "run-42"}
 

@@ -72,7 +72,7 @@ def with_padding_rows(batch: dict[str, torch.Tensor], extra: int, seed: int = 99
 
 def reference_contrastive(q, p, product_index, row_mask, weight, temperature) -> float:
     """The loss written out row by row, straight from its definition."""
-    total, weight_sum = 0.0, 0.0
+    total = 0.0
     for direction in (0, 1):
         anchors, candidates = (q, p) if direction == 0 else (p, q)
         num, den = 0.0, 0.0

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline_steps import checkpoint, data as data_lib, distributed, holdout_evaluation, inference, pretrained
+from pipeline_steps import checkpoint, distributed, holdout_evaluation, inference, pretrained
+from pipeline_steps import data as data_lib
 from pipeline_steps import retrieval_metrics as metrics
 from pipeline_steps.config import PRETRAINED_TRAIN, get_preset
 from pipeline_steps.errors import ExitCode

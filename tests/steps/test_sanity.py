@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from pipeline_steps import __main__ as cli
 import pipeline_contract
+from pipeline_steps import __main__ as cli
 from pipeline_steps import collective_checks, health_report, host_checks
-from pipeline_steps.steps import sanity
 from pipeline_steps.errors import BadConfigError, ExitCode
 from pipeline_steps.fileio import read_json
+from pipeline_steps.steps import sanity
 
 from .conftest import cli_env, run_cli
 
