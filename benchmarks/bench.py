@@ -59,8 +59,7 @@ import numpy as np
 import torch
 
 from pipeline_contract import PREPARED_DIR
-from pipeline_steps import checkpoint
-from pipeline_steps import data as data_lib
+from pipeline_steps import checkpoint, tokenization
 from pipeline_steps import distributed as dist_lib
 from pipeline_steps.__main__ import configure_logging
 from pipeline_steps.config import ModelConfig, get_preset
@@ -421,13 +420,13 @@ def bench_embed(trainer, work: Path, *, num_texts: int, repeats: int, backends: 
     rows = np.arange(min(num_texts, len(products)), dtype=np.int64)
     texts = [products.texts[i] for i in rows]
     buckets = prepared.data_cfg.length_buckets
-    tokenizer = data_lib.load_tokenizer(prepared.tokenizer_path)
+    tokenizer = tokenization.load_tokenizer(prepared.tokenizer_path)
 
     def ours(backend: str) -> Callable[[], np.ndarray]:
         inference = load_for_inference(path, backend)
 
         def run() -> np.ndarray:
-            token_ids, lengths = data_lib.encode_texts(tokenizer, texts, max(buckets))
+            token_ids, lengths = tokenization.encode_texts(tokenizer, texts, max(buckets))
             view = dataclasses.replace(products, token_ids=token_ids, lengths=lengths,
                                        numeric=products.numeric[rows], categorical=products.categorical[rows])
             return embed_products(inference, view, np.arange(len(rows)), batch_size=EMBED_BATCH_SIZE,
@@ -488,8 +487,6 @@ def bench_checkpoint(trainer, work: Path, *, repeats: int) -> dict[str, Any]:
             "checkpoint_save_s_per_gb": _median(save_s) / gb, "checkpoint_load_s_per_gb": _median(load_s) / gb,
             "directory_filesystem": str(work)}
 
-
-# ----------------------------------------------------------------------------- orchestration
 
 # ---------------------------------------------------------------------------------------------
 # Data at scale: prepare throughput and peak memory, training data memory per rank
@@ -605,15 +602,15 @@ def bench_prepare_sharded(work: Path, upload_dir: Path, single_run_dir: Path, pr
 
 _RANK_PROBE = """
 import sys
-from pipeline_steps import data as D, distributed as dist_lib
+from pipeline_steps import distributed as dist_lib
 
 def status(key):
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key + ":"))
 
 world = dist_lib.init("cpu")  # joins torchrun's gloo group, as a training rank does
 before = {key: status(key) for key in ("RssAnon", "RssFile")}
-data = D.load_prepared(sys.argv[1])
-for _ in D.TrainBatches(data, data.data_cfg.batch_size, rank=world.rank, world_size=world.world_size, seed=0).epoch(0):
+data = prepared_data.load_prepared(sys.argv[1])
+for _ in static_batches.TrainBatches(data, data.data_cfg.batch_size, rank=world.rank, world_size=world.world_size, seed=0).epoch(0):
     pass
 # One write per line: the ranks share torchrun's stdout, and print's separate newline write can interleave.
 sys.stdout.write(f"rank-rss {world.rank} {status('RssAnon') - before['RssAnon']} "
@@ -649,7 +646,7 @@ def prepared_run_dir(work: Path, preset: str, name: str | None = None) -> Path:
     """A run dir holding the preset's prepared demo data (prepared once per preset, then copied)."""
     import shutil
 
-    from pipeline_steps import prepare
+    from pipeline_steps.steps import prepare
 
     source = work / f"prepared-{preset}"
     if not (source / "prepared" / "prepare.json").exists():
@@ -668,6 +665,8 @@ def train_shape(preset: str, quick: bool) -> Shape:
         shape = Shape(8, data.query_length, min(data.length_buckets))
     return shape
 
+
+# ----------------------------------------------------------------------------- orchestration
 
 def _quiet_peers() -> None:
     """The peers' load reports and progress bars would bury the table."""

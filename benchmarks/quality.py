@@ -26,8 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline_steps import data as data_lib
-from pipeline_steps import holdout_evaluation, retrieval_metrics
+from pipeline_steps import holdout_evaluation, prepared_data, retrieval_metrics
 from pipeline_steps.config import PRETRAINED_TRAIN, get_preset
 from pipeline_steps.fileio import atomic_write_json, read_json
 
@@ -56,7 +55,7 @@ def prepare_runs(work: Path, upload: Path, preset: str, pretrained: Path) -> dic
         if not (run_dir / "prepared" / "prepare.json").is_file():
             start = ["--pretrained", pretrained] if name == "pretrained" else []
             _step("prepare", "--run-dir", run_dir, "--data", upload, "--preset", preset, *start)
-    holdouts = [data_lib.load_prepared(r).holdout.queries for r in runs.values()]
+    holdouts = [prepared_data.load_prepared(r).holdout.queries for r in runs.values()]
     if holdouts[0] != holdouts[1]:
         raise SystemExit("the two prepared run dirs hold different holdouts; prepare them from the same upload")
     return runs
@@ -111,7 +110,7 @@ def st_finetune(pretrained: Path, prepared: Any, *, epochs: int, batch_size: int
 def sentence_transformers_contenders(pretrained: Path, run_dir: Path, preset: str, work: Path) -> dict[str, Any]:
     from sentence_transformers import SentenceTransformer
 
-    prepared = data_lib.load_prepared(run_dir)
+    prepared = prepared_data.load_prepared(run_dir)
     holdout = holdout_evaluation.holdout_queries(prepared.holdout)
     zero_shot = SentenceTransformer(str(pretrained), device="cpu", local_files_only=True)
     out = {"st_zero_shot": {"metrics": st_metrics(zero_shot, prepared, holdout)}}
@@ -163,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = prepare_runs(args.work_dir, upload, args.preset, args.pretrained)
     results: dict[str, Any] = {"catalog": str(upload), "preset": args.preset, "pretrained": str(args.pretrained),
                                "pretrained_defaults": PRETRAINED_TRAIN, "nproc": os.cpu_count()}
-    prepared = data_lib.load_prepared(runs["pretrained"])
+    prepared = prepared_data.load_prepared(runs["pretrained"])
     results["sizes"] = {"products": len(prepared.products.ids), "train_pairs": len(prepared.train.queries),
                         "holdout_queries": len(holdout_evaluation.holdout_queries(prepared.holdout).queries)}
     results.update(sentence_transformers_contenders(args.pretrained, runs["pretrained"], args.preset, args.work_dir))

@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from . import data as D
+from . import record_reading, record_validation
 
 PRODUCT_TEXTS = ("title", "description", "category")
 """Product text fields: whitespace-collapsed, at most max_text_chars; title required."""
@@ -46,7 +46,7 @@ class ValidPairs:
         return ValidPairs(*([values[k] for k in keep] for values in (self.index, self.queries, self.product_ids,
                                                                      self.weights, self.labels)))
 
-    def add(self, i: int, pair: D.PairRecord) -> None:
+    def add(self, i: int, pair: record_validation.PairRecord) -> None:
         self.index.append(i)
         self.queries.append(pair.query)
         self.product_ids.append(pair.product_id)
@@ -54,7 +54,7 @@ class ValidPairs:
         self.labels.append(pair.label)
 
 
-def _slow_path(batch: D.RecordBatch, indices: list[int], validate, max_chars: int,
+def _slow_path(batch: record_reading.RecordBatch, indices: list[int], validate, max_chars: int,
                accept, rejected: list[Rejected]) -> None:
     """The per-record validator on the records at `indices`: `accept(i, record)` or a Rejected."""
     for i, value in zip(indices, batch.rows(indices)):
@@ -64,7 +64,7 @@ def _slow_path(batch: D.RecordBatch, indices: list[int], validate, max_chars: in
             continue
         try:
             record = validate(value, max_chars, batch.source, batch.lines[i])
-        except D.RecordError as exc:
+        except record_validation.RecordError as exc:
             rejected.append(Rejected(i, exc.reason, exc.detail))
         else:
             accept(i, record)
@@ -74,7 +74,7 @@ def _slow_path(batch: D.RecordBatch, indices: list[int], validate, max_chars: in
 # Pairs
 # ---------------------------------------------------------------------------------------------
 
-def validate_pairs(batch: D.RecordBatch, max_chars: int) -> tuple[ValidPairs, list[Rejected]]:
+def validate_pairs(batch: record_reading.RecordBatch, max_chars: int) -> tuple[ValidPairs, list[Rejected]]:
     """The valid pairs of `batch` (in order) and the rejected records (sorted by index)."""
     valid, rejected, slow = ValidPairs(), [], []
     if batch.values is None:
@@ -83,12 +83,12 @@ def validate_pairs(batch: D.RecordBatch, max_chars: int) -> tuple[ValidPairs, li
         _inline_pairs(batch, max_chars, valid, slow)
     if slow:
         found = ValidPairs()
-        _slow_path(batch, slow, D.validate_pair, max_chars, found.add, rejected)
+        _slow_path(batch, slow, record_validation.validate_pair, max_chars, found.add, rejected)
         valid = _merge_pairs(valid, found)
     return valid, rejected
 
 
-def _inline_pairs(batch: D.RecordBatch, max_chars: int, valid: ValidPairs, slow: list[int]) -> None:
+def _inline_pairs(batch: record_reading.RecordBatch, max_chars: int, valid: ValidPairs, slow: list[int]) -> None:
     """The shape most pairs have ({"query": str, "product_id": str, "weight": float?}) in a few
     checks: the same conditions as data.validate_pair's own shortcut."""
     index, queries, product_ids, weights, labels = (valid.index, valid.queries, valid.product_ids, valid.weights,
@@ -149,7 +149,7 @@ def _numbers(array: pa.Array | None) -> pa.Array | None:
     return pc.cast(array, pa.float64(), safe=False)
 
 
-def _arrow_pairs(batch: D.RecordBatch, max_chars: int, valid: ValidPairs, slow: list[int]) -> None:
+def _arrow_pairs(batch: record_reading.RecordBatch, max_chars: int, valid: ValidPairs, slow: list[int]) -> None:
     table = batch.table
     n = table.num_rows
     query, product_id = _column(table, "query"), _column(table, "product_id")
@@ -190,10 +190,10 @@ def _arrow_pairs(batch: D.RecordBatch, max_chars: int, valid: ValidPairs, slow: 
 # Products
 # ---------------------------------------------------------------------------------------------
 
-def validate_products(batch: D.RecordBatch, max_chars: int) -> tuple[list[tuple[int, D.ProductRecord]], list[Rejected]]:
+def validate_products(batch: record_reading.RecordBatch, max_chars: int) -> tuple[list[tuple[int, record_validation.ProductRecord]], list[Rejected]]:
     """(index, ProductRecord) of the valid products of `batch` (in order), and the rejected
     records (sorted by index)."""
-    valid: list[tuple[int, D.ProductRecord]] = []
+    valid: list[tuple[int, record_validation.ProductRecord]] = []
     rejected: list[Rejected] = []
     slow: list[int] = []
     if batch.values is None:
@@ -206,8 +206,8 @@ def validate_products(batch: D.RecordBatch, max_chars: int) -> tuple[list[tuple[
             else:
                 valid.append((i, product))
     if slow:
-        found: list[tuple[int, D.ProductRecord]] = []
-        _slow_path(batch, slow, D.validate_product, max_chars, lambda i, p: found.append((i, p)), rejected)
+        found: list[tuple[int, record_validation.ProductRecord]] = []
+        _slow_path(batch, slow, record_validation.validate_product, max_chars, lambda i, p: found.append((i, p)), rejected)
         valid = sorted(valid + found, key=lambda item: item[0])
     return valid, rejected
 
@@ -259,7 +259,7 @@ def _categorical(value: Any) -> dict[str, str] | None:
     return features
 
 
-def _inline_product(record: dict, max_chars: int, source: str, line: int) -> D.ProductRecord | None:
+def _inline_product(record: dict, max_chars: int, source: str, line: int) -> record_validation.ProductRecord | None:
     """data.validate_product of a well-formed record; None for anything else (including bad records)."""
     product_id, title = record.get("id"), record.get("title")
     if type(product_id) is not str or type(title) is not str or not product_id or product_id.isspace() \
@@ -271,10 +271,10 @@ def _inline_product(record: dict, max_chars: int, source: str, line: int) -> D.P
     numeric, categorical = _numeric(record.get("numeric")), _categorical(record.get("categorical"))
     if not title or description is False or category is False or numeric is None or categorical is None:
         return None
-    return D.ProductRecord(product_id, title, description, numeric, categorical, category, source, line)
+    return record_validation.ProductRecord(product_id, title, description, numeric, categorical, category, source, line)
 
 
-def _arrow_products(batch: D.RecordBatch, max_chars: int, valid: list[tuple[int, D.ProductRecord]],
+def _arrow_products(batch: record_reading.RecordBatch, max_chars: int, valid: list[tuple[int, record_validation.ProductRecord]],
                     slow: list[int]) -> None:
     """Vectorised checks of the scalar columns (id, title, description, category); the feature
     columns (structs or maps) are read row by row only for the rows that pass."""
@@ -302,7 +302,7 @@ def _arrow_products(batch: D.RecordBatch, max_chars: int, valid: list[tuple[int,
                 or columns["description"][k] == "" or columns["category"][k] == ""):
             slow.append(i)
             continue
-        valid.append((i, D.ProductRecord(product_id, title, columns["description"][k] or None, numeric, categorical,
+        valid.append((i, record_validation.ProductRecord(product_id, title, columns["description"][k] or None, numeric, categorical,
                                          columns["category"][k] or None, batch.source, batch.lines[i])))
     slow.extend(np.flatnonzero(~ok).tolist())
     slow.sort()

@@ -21,7 +21,7 @@ COMPARE_REPORT = "compare.json"  # in VALIDATION_DIR
 
 def run_compare(args: argparse.Namespace) -> dict[str, Any]:
     """Score two checkpoints on the same holdout; write compare.json; return it."""
-    from .data import load_prepared
+    from .prepared_data import load_prepared
 
     prepared = load_prepared(args.run_dir)
     holdout = holdout_queries(prepared.holdout)

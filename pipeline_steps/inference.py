@@ -179,7 +179,7 @@ def _run_batches(inference: InferenceModel, batches: Iterator[tuple[Any, ...]], 
 def embed_products(inference: InferenceModel, products: Any, rows: np.ndarray, *, batch_size: int,
                    buckets: Sequence[int]) -> np.ndarray:
     """L2-normalised embeddings of catalog rows `rows` (in that order) -> float32 [len(rows), E]."""
-    from .data import text_batches
+    from .static_batches import text_batches
 
     rows = np.asarray(rows, dtype=np.int64)
     if rows.size == 0:
@@ -202,7 +202,7 @@ def embed_queries(inference: InferenceModel, token_ids: np.ndarray, lengths: np.
                   query_length: int, with_logits: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
     """Query embeddings [n, E] and, with `with_logits`, the auxiliary head's logits [n, C]
     (computed in the same graph as the embedding)."""
-    from .data import text_batches
+    from .static_batches import text_batches
 
     dim, num_classes = inference.embedding_dim, inference.num_classes
     with_logits = with_logits and num_classes > 0

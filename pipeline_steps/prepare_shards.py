@@ -34,9 +34,7 @@ import pyarrow.parquet as pq
 
 from pipeline_contract import PREPARE_REPORT, PREPARED_DIR
 
-from . import data as D
-from . import prepare as P
-from . import upload_readiness
+from . import feature_schema, prepared_data, preparing, record_reading, tokenization, upload_readiness
 from .config import DataConfig, from_dict, to_dict
 from .errors import BadInputError, StepError
 from .fileio import atomic_path, atomic_write_bytes, atomic_write_json, read_json, sha256_file
@@ -89,8 +87,8 @@ def plan_units(files: Sequence[Path], unit_bytes: int | None = None) -> list[dic
     unit_bytes = unit_bytes or UNIT_BYTES
     units: list[dict[str, Any]] = []
     for path in files:
-        if D.input_format(path) == "parquet":
-            meta = D.open_parquet(path).metadata
+        if record_reading.input_format(path) == "parquet":
+            meta = record_reading.open_parquet(path).metadata
             row = 0
             for group in range(meta.num_row_groups):
                 units.append({"source": str(path), "format": "parquet", "start": group, "end": group + 1,
@@ -104,14 +102,14 @@ def plan_units(files: Sequence[Path], unit_bytes: int | None = None) -> list[dic
     return units
 
 
-def unit_batches(unit: dict[str, Any]) -> D.JsonlBatches | Iterator[D.RecordBatch]:
+def unit_batches(unit: dict[str, Any]) -> record_reading.JsonlBatches | Iterator[record_reading.RecordBatch]:
     """The records of one unit in batches, read as `prepare` reads whole files (the same parse and
     quarantine reasons). JSON Lines line numbers count from the unit's first line, and the reader's
     `lines` is the number of lines the unit spans once read, so the finish can number them in the file."""
     if unit["format"] == "parquet":
-        return D.parquet_batches(Path(unit["source"]), row_groups=range(unit["start"], unit["end"]),
+        return record_reading.parquet_batches(Path(unit["source"]), row_groups=range(unit["start"], unit["end"]),
                                  first_row=unit["first_line"])
-    return D.JsonlBatches(Path(unit["source"]), start=unit["start"], end=unit["end"])
+    return record_reading.JsonlBatches(Path(unit["source"]), start=unit["start"], end=unit["end"])
 
 
 def _unit_order(unit: dict[str, Any]) -> bytes:
@@ -126,16 +124,16 @@ def query_sample(units: Sequence[dict[str, Any]], cfg: DataConfig, product_row: 
                  max_pairs: int = PLAN_SAMPLE_PAIRS) -> list[str]:
     """The training queries the tokenizer learns from: whole units, in an order fixed by a hash of
     their names, until `max_pairs` pair records are read (docs/data.md, "The tokenizer is trained once")."""
-    sample = D.TextSample(P.TOKENIZER_SAMPLE // 2)
-    threshold = D.holdout_threshold(cfg.holdout_fraction)
+    sample = tokenization.TextSample(preparing.TOKENIZER_SAMPLE // 2)
+    threshold = tokenization.holdout_threshold(cfg.holdout_fraction)
     num_read: Counter = Counter()
     with open(os.devnull, "wb") as sink:  # the shards quarantine these records, with their line numbers
-        quarantine = P.Quarantine(sink)
+        quarantine = preparing.Quarantine(sink)
         for unit in sorted(units, key=_unit_order):
             if num_read["pairs"] >= max_pairs:
                 break
-            for chunk in P.iter_pair_chunks([], cfg, product_row, quarantine, num_read, batches=unit_batches(unit)):
-                keys = D.query_keys(chunk.queries, seed)
+            for chunk in preparing.iter_pair_chunks([], cfg, product_row, quarantine, num_read, batches=unit_batches(unit)):
+                keys = tokenization.query_keys(chunk.queries, seed)
                 sample.update(q for q, key in zip(chunk.queries, keys) if key >= threshold)  # holdout stays unseen
     return sample.texts()
 
@@ -147,47 +145,47 @@ def _plan_id(plan: dict[str, Any]) -> str:
 
 def plan(args: argparse.Namespace, preset) -> dict[str, Any]:
     """Validate the catalog, fix the tokenizer and cut the pairs into units; returns plan.json."""
-    cfg = P.data_config(args, preset)
+    cfg = preparing.data_config(args, preset)
     out = args.run_dir / PREPARED_DIR
     shards = out / SHARDS
     shards.mkdir(parents=True, exist_ok=True)
     (args.run_dir / PREPARE_REPORT).unlink(missing_ok=True)  # a new prepare starts: no old "ok" beside new files
     (shards / PLAN).unlink(missing_ok=True)
 
-    product_files, pair_files = P.resolve_inputs(args, args.run_dir, args.seed)
-    inputs = {"products": P._input_checksums(product_files), "pairs": P._input_checksums(pair_files)}
+    product_files, pair_files = preparing.resolve_inputs(args, args.run_dir, args.seed)
+    inputs = {"products": preparing.input_checksums(product_files), "pairs": preparing.input_checksums(pair_files)}
     if args.data is not None:
         upload_readiness.check_checksums(args.data, {i["path"]: i["sha256"] for kind in inputs.values() for i in kind})
     report: dict[str, Any] = {
         "status": "failed", "preset": preset.name, "seed": args.seed, "data_config": to_dict(cfg), "inputs": inputs,
-        "input_sha256": P._sha256_bytes(json.dumps(inputs, sort_keys=True).encode()),
+        "input_sha256": preparing.sha256_bytes(json.dumps(inputs, sort_keys=True).encode()),
         "init_from": str(args.init_from) if args.init_from else None,
     }
     quarantine_path = shards / "quarantine.products.jsonl"
     try:
         units = plan_units(pair_files)
         with atomic_path(quarantine_path) as tmp, open(tmp, "wb") as sink:
-            quarantine = P.Quarantine(sink)
-            records, num_read = P.read_products(product_files, cfg, quarantine)
-        counts = {"products": P._counts("products", num_read, quarantine)}
+            quarantine = preparing.Quarantine(sink)
+            records, num_read = preparing.read_products(product_files, cfg, quarantine)
+        counts = {"products": preparing.record_counts("products", num_read, quarantine)}
         # The catalog's check here: a bad catalog fails before any array child starts.
-        P.check_threshold(counts, cfg.max_bad_fraction, quarantine_path, {"products": product_files})
+        preparing.check_threshold(counts, cfg.max_bad_fraction, quarantine_path, {"products": product_files})
         product_row = {p.id: i for i, p in enumerate(records)}
         reuse = args.init_from is not None or args.pretrained is not None
         sample = [] if reuse else query_sample(units, cfg, product_row, args.seed)
-        tokenizer, tokenizer_bytes, schema, origin = P.tokenizer_and_schema(
-            args.init_from, cfg, records, P.SpilledPairs([], 0, 0, 0, sample, set()), args.pretrained, out)
-        products = P.build_products(records, tokenizer, schema, cfg)
+        tokenizer, tokenizer_bytes, schema, origin = preparing.tokenizer_and_schema(
+            args.init_from, cfg, records, preparing.SpilledPairs([], 0, 0, 0, sample, set()), args.pretrained, out)
+        products = preparing.build_products(records, tokenizer, schema, cfg)
     except StepError as exc:
         atomic_write_json(args.run_dir / PREPARE_REPORT, {**report, "error": str(exc)})
         raise
     atomic_write_bytes(shards / "tokenizer.json", tokenizer_bytes)
     schema.save(shards / "schema.json")
-    D.save_products(shards / "products.parquet", products, arrays=False)  # the finish writes the arrays
+    prepared_data.save_products(shards / "products.parquet", products, arrays=False)  # the finish writes the arrays
     report.update(product_counts=counts["products"],
-                  tokenizer={"source": origin, "sha256": P._sha256_bytes(tokenizer_bytes),
+                  tokenizer={"source": origin, "sha256": preparing.sha256_bytes(tokenizer_bytes),
                              "vocab_size": tokenizer.get_vocab_size()},
-                  schema_coverage=P.schema_coverage(schema, records, products))
+                  schema_coverage=preparing.schema_coverage(schema, records, products))
     result = {"format_version": PLAN_FORMAT_VERSION, "units": units, "report": report,
               # With --init-from the schema is the previous model's: pair labels add no classes.
               "schema_fixed": args.init_from is not None,
@@ -243,7 +241,7 @@ def write_unit(shards: Path, plan: dict[str, Any], unit: int, tokenizer, product
         remove_stale_temps(path)
     paths["sidecar"].unlink(missing_ok=True)  # first: a crash below leaves no complete-looking unit
     batches = unit_batches(plan["units"][unit])
-    threshold = D.holdout_threshold(cfg.holdout_fraction)
+    threshold = tokenization.holdout_threshold(cfg.holdout_fraction)
     num_read: Counter = Counter()
     rows: Counter = Counter()
     labels: set[str] = set()
@@ -252,23 +250,23 @@ def write_unit(shards: Path, plan: dict[str, Any], unit: int, tokenizer, product
         sink = stack.enter_context(open(stack.enter_context(atomic_path(paths["quarantine"])), "wb"))
         writers = {side: stack.enter_context(pq.ParquetWriter(stack.enter_context(atomic_path(paths[side])),
                                                               UNIT_SCHEMA)) for side in SIDES}
-        quarantine = P.Quarantine(sink)
-        encoder = D.TextEncoder(tokenizer, cfg.query_length)
+        quarantine = preparing.Quarantine(sink)
+        encoder = tokenization.TextEncoder(tokenizer, cfg.query_length)
         known_keys: dict[str, int] = {}  # queries repeat across chunks
-        for chunk in P.iter_pair_chunks([], cfg, product_row, quarantine, num_read, batches=batches):
-            keys = D.query_keys(chunk.queries, seed, known_keys)
+        for chunk in preparing.iter_pair_chunks([], cfg, product_row, quarantine, num_read, batches=batches):
+            keys = tokenization.query_keys(chunk.queries, seed, known_keys)
             holdout = keys < threshold
             token_ids, lengths = encoder(chunk.queries)
             labels.update(label for label in chunk.labels if label)
             table = pa.table({"query": pa.array(chunk.queries, pa.string()), "product_index": chunk.product_index,
-                              "token_ids": D._list_column(token_ids), "length": lengths, "weight": chunk.weight,
+                              "token_ids": prepared_data._list_column(token_ids), "length": lengths, "weight": chunk.weight,
                               "label": pa.array(chunk.labels, pa.string()), "key": keys}, schema=UNIT_SCHEMA)
             for side, mask in (("train", ~holdout), ("holdout", holdout)):
                 if mask.any():
                     writers[side].write_table(table.filter(pa.array(mask)))
                     rows[side] += int(mask.sum())
     # Only JSON Lines units need it: a Parquet unit's rows are numbered from the plan's first_line.
-    spanned = batches.lines if isinstance(batches, D.JsonlBatches) else 0
+    spanned = batches.lines if isinstance(batches, record_reading.JsonlBatches) else 0
     meta = {"unit": unit, "plan_id": plan["plan_id"], "read": num_read["pairs"], "lines": spanned,
             "rows": {side: rows[side] for side in SIDES}, "reasons": dict(sorted(quarantine.reasons["pairs"].items())),
             "labels": sorted(labels),
@@ -287,7 +285,7 @@ def run_shard(run_dir: Path, shard_index: int | None, shard_count: int | None) -
     log.info("shard %d/%d: units [%d, %d), %d already complete", index, count, start, end, end - start - len(todo))
     if todo:
         cfg = from_dict(DataConfig, plan_doc["report"]["data_config"])
-        tokenizer = D.load_tokenizer(shards / "tokenizer.json")
+        tokenizer = tokenization.load_tokenizer(shards / "tokenizer.json")
         ids = pq.read_table(shards / "products.parquet", columns=["id"]).column("id").to_pylist()
         product_row = {product_id: row for row, product_id in enumerate(ids)}
         for unit, why in todo.items():
@@ -338,24 +336,24 @@ def write_quarantine(path: Path, shards: Path, plan_doc: dict[str, Any], metas: 
             lines_before[unit["source"]] += meta["lines"]
 
 
-def final_schema(plan_schema: D.Schema, labels: set[str], fixed: bool) -> D.Schema:
+def final_schema(plan_schema: feature_schema.Schema, labels: set[str], fixed: bool) -> feature_schema.Schema:
     """The plan's schema with the pair labels' classes (sorted with the catalog's, as Schema.fit)."""
     if fixed:
         return plan_schema
     return dataclasses.replace(plan_schema, class_names=tuple(sorted(set(plan_schema.class_names) | labels)))
 
 
-def _remap_classes(class_id: np.ndarray, old: D.Schema, new: D.Schema) -> np.ndarray:
+def _remap_classes(class_id: np.ndarray, old: feature_schema.Schema, new: feature_schema.Schema) -> np.ndarray:
     index = {name: i for i, name in enumerate(new.class_names)}
-    mapping = np.array([index[name] for name in old.class_names] or [D.IGNORE_INDEX], dtype=np.int64)
+    mapping = np.array([index[name] for name in old.class_names] or [feature_schema.IGNORE_INDEX], dtype=np.int64)
     return np.where(class_id >= 0, mapping[np.maximum(class_id, 0)], class_id).astype(np.int64)
 
 
-def assemble_pairs(out: Path, shards: Path, metas: Sequence[dict[str, Any]], schema: D.Schema, cfg: DataConfig,
-                   products: D.Products) -> P.PairStats:
+def assemble_pairs(out: Path, shards: Path, metas: Sequence[dict[str, Any]], schema: feature_schema.Schema, cfg: DataConfig,
+                   products: prepared_data.Products) -> preparing.PairStats:
     """The pair outputs (prepare.PairOutputs) from the units in unit order, a row group at a time."""
     num_rows = {side: sum(m["rows"][side] for m in metas) for side in SIDES}
-    with P.PairOutputs(out, num_rows, cfg, products) as outputs:
+    with preparing.PairOutputs(out, num_rows, cfg, products) as outputs:
         for meta in metas:
             paths = unit_paths(shards, meta["unit"])
             for side in SIDES:
@@ -364,10 +362,10 @@ def assemble_pairs(out: Path, shards: Path, metas: Sequence[dict[str, Any]], sch
                 for group in range(parquet.num_row_groups):
                     part = parquet.read_row_group(group)
                     index = part.column("product_index").to_numpy()
-                    pairs = D.Pairs(queries=[], token_ids=D._matrix(part, "token_ids", cfg.query_length, np.int32, path),
+                    pairs = prepared_data.Pairs(queries=[], token_ids=prepared_data._matrix(part, "token_ids", cfg.query_length, np.int32, path),
                                     lengths=part.column("length").to_numpy(), product_index=index,
                                     weight=part.column("weight").to_numpy(),
-                                    class_id=P.pair_class_ids(part.column("label").to_pylist(), index, schema,
+                                    class_id=preparing.pair_class_ids(part.column("label").to_pylist(), index, schema,
                                                               products.class_id))
                     outputs.append(side, part.column("query"), pairs, part.column("key").to_numpy())
     return outputs.stats
@@ -393,13 +391,13 @@ def finish(run_dir: Path, shard_count: int | None = None, max_bad_fraction: floa
         cfg = dataclasses.replace(cfg, max_bad_fraction=max_bad_fraction)  # validated (BadConfigError)
 
     # ---- counts, quarantine, threshold
-    quarantine = P.Quarantine()
+    quarantine = preparing.Quarantine()
     product_counts = plan_doc["report"]["product_counts"]
     quarantine.reasons["products"].update(product_counts["reasons"])
     for meta in metas:
         quarantine.reasons["pairs"].update(meta["reasons"])
-    counts = {"products": P._counts("products", product_counts["read"], quarantine),
-              "pairs": P._counts("pairs", sum(m["read"] for m in metas), quarantine)}
+    counts = {"products": preparing.record_counts("products", product_counts["read"], quarantine),
+              "pairs": preparing.record_counts("pairs", sum(m["read"] for m in metas), quarantine)}
     quarantine_path = out / "quarantine.jsonl"
     write_quarantine(quarantine_path, shards, plan_doc, metas)
     report = {k: v for k, v in plan_doc["report"].items() if k != "product_counts"}
@@ -408,7 +406,7 @@ def finish(run_dir: Path, shard_count: int | None = None, max_bad_fraction: floa
         log.info("%s: read %d, good %d, quarantined %d %s", kind, c["read"], c["good"], c["quarantined"], c["reasons"])
     inputs = {kind: [i["path"] for i in files] for kind, files in report["inputs"].items()}
     try:
-        P.check_threshold(counts, cfg.max_bad_fraction, quarantine_path, inputs)
+        preparing.check_threshold(counts, cfg.max_bad_fraction, quarantine_path, inputs)
         if not sum(m["rows"]["train"] for m in metas):
             raise BadInputError("every query fell into the holdout; provide more distinct queries")
     except StepError as exc:
@@ -416,16 +414,16 @@ def finish(run_dir: Path, shard_count: int | None = None, max_bad_fraction: floa
         raise
 
     # ---- the final schema, catalog and pairs
-    plan_schema = D.Schema.load(shards / "schema.json")
+    plan_schema = feature_schema.Schema.load(shards / "schema.json")
     schema = final_schema(plan_schema, {label for m in metas for label in m["labels"]}, plan_doc["schema_fixed"])
-    products = D.read_products(shards / "products.parquet", cfg, plan_schema)
+    products = prepared_data.read_products(shards / "products.parquet", cfg, plan_schema)
     products.class_id = _remap_classes(products.class_id, plan_schema, schema)
-    P.write_outputs(out, (shards / "tokenizer.json").read_bytes(), schema, products)
+    preparing.write_outputs(out, (shards / "tokenizer.json").read_bytes(), schema, products)
     stats = assemble_pairs(out, shards, metas, schema, cfg, products)
     if not stats.num["holdout"]:
         log.warning("the holdout is empty (too few distinct queries); validation will have nothing to score")
-    report.update(P.summary(cfg, schema, products, stats))
-    report.update(status="ok", outputs={name: sha256_file(out / name) for name in P.OUTPUT_NAMES},
+    report.update(preparing.summary(cfg, schema, products, stats))
+    report.update(status="ok", outputs={name: sha256_file(out / name) for name in preparing.OUTPUT_NAMES},
                   shards={"plan_id": plan_doc["plan_id"], "units": len(metas), "shard_count": shard_count},
                   elapsed_s=round(time.time() - started, 3))
     atomic_write_json(done, report)

@@ -21,8 +21,7 @@ import torch
 
 from pipeline_contract import PREPARED_DIR, TRAIN_DIR, TRAIN_METRICS, TRAIN_SUMMARY
 
-from . import checkpoint, pretrained, tracking
-from . import data as data_lib
+from . import checkpoint, prepared_data, pretrained, static_batches, tokenization, tracking
 from . import distributed as dist_lib
 from .config import PRETRAINED_TRAIN, DataConfig, ModelConfig, TrainConfig, from_dict, get_preset, to_dict
 from .errors import BadConfigError, NonFiniteLossError
@@ -75,9 +74,9 @@ def resolve_train_config(args: argparse.Namespace) -> TrainConfig:
     return dataclasses.replace(base, **overrides)
 
 
-def model_config_for(preset: str, prepared: data_lib.PreparedData) -> ModelConfig:
+def model_config_for(preset: str, prepared: prepared_data.PreparedData) -> ModelConfig:
     """The preset's shape, completed with what the prepared data decides (vocab, features, classes)."""
-    tokenizer = data_lib.load_tokenizer(prepared.tokenizer_path)
+    tokenizer = tokenization.load_tokenizer(prepared.tokenizer_path)
     # A run prepared with --pretrained takes the encoder's shape from that BERT.
     return pretrained.encoder_config(prepared.tokenizer_path.parent, dataclasses.replace(
         get_preset(preset).model,
@@ -155,12 +154,12 @@ class Trainer:
     def __init__(self, run_dir: Path, preset: str, cfg: TrainConfig, world: dist_lib.World,
                  init_from: Path | None = None) -> None:
         self.run_dir, self.preset, self.cfg, self.world = run_dir, preset, cfg, world
-        self.prepared = data_lib.load_prepared(run_dir)
+        self.prepared = prepared_data.load_prepared(run_dir)
         self.data_cfg: DataConfig = self.prepared.data_cfg
         self.model_cfg = model_config_for(preset, self.prepared)
-        self.batches = data_lib.TrainBatches(self.prepared, self.data_cfg.batch_size, rank=world.rank,
+        self.batches = static_batches.TrainBatches(self.prepared, self.data_cfg.batch_size, rank=world.rank,
                                              world_size=world.world_size, seed=cfg.seed)
-        self.holdout_batches = data_lib.TrainBatches(
+        self.holdout_batches = static_batches.TrainBatches(
             dataclasses.replace(self.prepared, train=self.prepared.holdout), self.data_cfg.batch_size,
             rank=world.rank, world_size=world.world_size, seed=cfg.seed)
         self.steps_per_epoch = self.batches.num_batches()

@@ -160,7 +160,7 @@ class PipelineStack(Stack):
 
     def _outputs(self, queues: Mapping[str, batch.IJobQueue], instance_types: Mapping[str, str],
                  mlflow_tracking_server_arn: str | None) -> None:
-        # trainium-runs finds a team's pipeline by `<Team>StateMachineArn` (pipeline_ops/cli.py).
+        # trainium-runs finds a team's pipeline by `<Team>StateMachineArn` (pipeline_ops/context.py).
         for p in self.pipelines.values():
             CfnOutput(self, f"{p.prefix}{STATE_MACHINE_OUTPUT}", value=p.pipeline.state_machine.state_machine_arn)
         for name, role in self.team_roles.items():

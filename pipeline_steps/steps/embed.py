@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Embed one shard (unless complete) and publish the manifest when every shard is there.
     Returns {"shard": sidecar or None, "skipped": bool, "manifest": manifest or None}."""
-    from ..data import load_prepared
+    from ..prepared_data import load_prepared
 
     run_dir: Path = args.run_dir
     out_dir: Path = args.out or run_dir / EMBEDDINGS_DIR

@@ -89,7 +89,7 @@ def _now() -> str:
 
 def run_validate(args: argparse.Namespace) -> dict[str, Any]:
     """Score the model and BM25, decide the gate, write metrics.json + gate.json; return gate.json."""
-    from ..data import load_prepared
+    from ..prepared_data import load_prepared
 
     run_dir: Path = args.run_dir
     prepared = load_prepared(run_dir)

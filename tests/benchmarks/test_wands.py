@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from benchmarks.wands import convert
-from pipeline_steps import data as data_lib
+from pipeline_steps import record_validation
 
 PRODUCTS = [
     ["product_id", "product_name", "product_class", "category hierarchy", "product_description",
@@ -38,7 +38,7 @@ def test_exact_judgements_become_pairs_and_products_keep_their_features(tmp_path
     pairs = [json.loads(line) for line in (tmp_path / "upload/pairs/part-00000.jsonl").read_text().splitlines()]
     assert pairs == [{"query": "smart coffee table", "product_id": "0"},
                      {"query": "smart coffee table", "product_id": "1"}]  # Partial and Irrelevant are not pairs
-    bed, cooker = (data_lib.validate_product(p, max_chars=4096) for p in products)  # what prepare checks
+    bed, cooker = (record_validation.validate_product(p, max_chars=4096) for p in products)  # what prepare checks
     assert products[0]["category"] == "Furniture" and "category" not in products[1]
     assert products[0]["numeric"] == {"rating_count": 15.0, "average_rating": 4.5, "review_count": 15.0}
     assert products[1]["numeric"] == {"rating_count": None, "average_rating": None, "review_count": None}

@@ -7,21 +7,14 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests.test_layout import modules_under
+
 REPO = Path(__file__).resolve().parents[2]
 CONSTRUCT_BASES = {"Construct", "Stack"}
 
 
-def _modules_under(roots: tuple[str, ...]) -> list[Path]:
-    paths: list[Path] = []
-    for root in roots:
-        path = REPO / root
-        assert path.exists(), f"{root} does not exist; update the roots"
-        paths += [path] if path.is_file() else sorted(path.rglob("*.py"))
-    return paths
-
-
 def _cdk_modules() -> list[Path]:
-    return _modules_under(("app.py", "stacks"))
+    return modules_under(("app.py", "stacks"))
 
 
 def _parse(path: Path) -> ast.Module:

@@ -120,7 +120,7 @@ def test_every_job_gets_the_compile_cache_base_the_steps_read(dev_templates):
 
 @pytest.mark.parametrize("stage", ["dev", "prod"])
 def test_pipeline_outputs_are_what_the_cli_reads(request, stage):
-    """trainium-runs (pipeline_ops/cli.py) reads these outputs of the stack <project>-<stage>-Pipeline,
+    """trainium-runs (pipeline_ops/context.py) reads these outputs of the stack <project>-<stage>-Pipeline,
     by the contract's names (pipeline_contract.stack_outputs)."""
     from pipeline_contract import (
         DEFAULT_PROJECT,

@@ -12,8 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline_steps import batch_validation as V
-from pipeline_steps import data as D
+from pipeline_steps import batch_validation, record_reading, record_validation
 from pipeline_steps.__main__ import main as cli
 from pipeline_steps.config import get_preset
 from pipeline_steps.demo_data import generate
@@ -64,15 +63,15 @@ def _interleave(good: list[dict], bad: list[dict]) -> list[dict]:
 
 def _reference(kind: str, files: list[Path], max_chars: int = MAX_CHARS) -> tuple[list, list]:
     """The per-record path: data.iter_records + data.validate_product / validate_pair."""
-    validate = D.validate_product if kind == "products" else D.validate_pair
+    validate = record_validation.validate_product if kind == "products" else record_validation.validate_pair
     kept, rejected = [], []
-    for raw in D.iter_records(files):
+    for raw in record_reading.iter_records(files):
         if raw.reason:
             rejected.append((raw.source, raw.line, raw.reason, raw.detail or "", raw.raw_text()))
             continue
         try:
             record = validate(raw.value, max_chars, raw.source, raw.line)
-        except D.RecordError as exc:
+        except record_validation.RecordError as exc:
             rejected.append((raw.source, raw.line, exc.reason, exc.detail, raw.raw_text()))
         else:
             kept.append(record if kind == "products" else (raw.line, record.query, record.product_id,
@@ -82,12 +81,12 @@ def _reference(kind: str, files: list[Path], max_chars: int = MAX_CHARS) -> tupl
 
 def _batched(kind: str, files: list[Path], batch_rows: int, max_chars: int = MAX_CHARS) -> tuple[list, list]:
     kept, rejected = [], []
-    for batch in D.iter_batches(files, batch_rows):
+    for batch in record_reading.iter_batches(files, batch_rows):
         if kind == "products":
-            valid, bad = V.validate_products(batch, max_chars)
+            valid, bad = batch_validation.validate_products(batch, max_chars)
             kept += [product for _, product in valid]
         else:
-            pairs, bad = V.validate_pairs(batch, max_chars)
+            pairs, bad = batch_validation.validate_pairs(batch, max_chars)
             kept += [(batch.lines[i], q, p, w, lbl) for i, q, p, w, lbl in
                      zip(pairs.index, pairs.queries, pairs.product_ids, pairs.weights, pairs.labels)]
         assert [r.index for r in bad] == sorted(r.index for r in bad)
@@ -174,8 +173,8 @@ def test_prepare_of_a_dirty_parquet_upload_equals_the_per_record_path(tmp_path, 
     def per_record(batch, max_chars, valid, slow):
         slow.extend(range(len(batch)))
 
-    monkeypatch.setattr(V, "_arrow_products", per_record)
-    monkeypatch.setattr(V, "_arrow_pairs", per_record)
+    monkeypatch.setattr(batch_validation, "_arrow_products", per_record)
+    monkeypatch.setattr(batch_validation, "_arrow_pairs", per_record)
     assert cli(["prepare", "--run-dir", str(tmp_path / "per-record"), *args]) == 0
     fast, slow = tmp_path / "vectorised" / "prepared", tmp_path / "per-record" / "prepared"
     quarantine = (fast / "quarantine.jsonl").read_text()

@@ -1,4 +1,5 @@
-"""pipeline_steps.data: static-shape batches, sharding, determinism, inference batches, encoding, schema."""
+"""The data layer (record_reading, record_validation, tokenization, feature_schema, prepared_data,
+static_batches): static-shape batches, sharding, determinism, inference batches, encoding, schema."""
 
 from __future__ import annotations
 
@@ -11,19 +12,26 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline_contract import PREPARED_DIR
-from pipeline_steps import data as D
+from pipeline_steps import (
+    feature_schema,
+    prepared_data,
+    record_reading,
+    record_validation,
+    static_batches,
+    tokenization,
+)
 from pipeline_steps.errors import BadInputError
-from pipeline_steps.prepare import main as prepare_main
+from pipeline_steps.steps.prepare import main as prepare_main
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory) -> D.PreparedData:
+def prepared(tmp_path_factory) -> prepared_data.PreparedData:
     run_dir = tmp_path_factory.mktemp("run")
     assert prepare_main(["--run-dir", str(run_dir), "--demo", "--preset", "tiny"]) == 0
-    return D.load_prepared(run_dir)
+    return prepared_data.load_prepared(run_dir)
 
 
-def _pair_multiset(pairs: D.Pairs) -> Counter:
+def _pair_multiset(pairs: prepared_data.Pairs) -> Counter:
     return Counter((tuple(ids), int(p)) for ids, p in zip(pairs.token_ids.astype(np.int64), pairs.product_index))
 
 
@@ -38,7 +46,7 @@ def _batch_multiset(batches) -> Counter:
 
 def test_every_batch_has_a_static_shape_and_padding_rows_are_masked(prepared):
     cfg = prepared.data_cfg
-    batches = D.TrainBatches(prepared, cfg.batch_size, rank=0, world_size=1, seed=0)
+    batches = static_batches.TrainBatches(prepared, cfg.batch_size, rank=0, world_size=1, seed=0)
     epoch = list(batches.epoch(0))
     assert len(epoch) == batches.num_batches()
     num_partial = 0
@@ -55,7 +63,7 @@ def test_every_batch_has_a_static_shape_and_padding_rows_are_masked(prepared):
         num_partial += bool(pad.any())
         assert (b["query_mask"].numpy()[pad] == 0).all() and (b["doc_mask"].numpy()[pad] == 0).all()
         assert (b["weight"].numpy()[pad] == 0).all() and (b["product_index"].numpy()[pad] == -1).all()
-        assert (b["class_id"].numpy()[pad] == D.IGNORE_INDEX).all()
+        assert (b["class_id"].numpy()[pad] == feature_schema.IGNORE_INDEX).all()
         assert (b["query_mask"].numpy()[~pad, 0] == 1).all() and (b["doc_mask"].numpy()[~pad, 0] == 1).all()
     # The last partial batch of each bucket is padded, not dropped: every real pair is there once.
     assert num_partial >= 1
@@ -63,7 +71,7 @@ def test_every_batch_has_a_static_shape_and_padding_rows_are_masked(prepared):
 
 
 def test_a_pair_uses_the_smallest_bucket_that_holds_its_product(prepared):
-    batches = D.TrainBatches(prepared, prepared.data_cfg.batch_size, rank=0, world_size=1, seed=0)
+    batches = static_batches.TrainBatches(prepared, prepared.data_cfg.batch_size, rank=0, world_size=1, seed=0)
     buckets = prepared.data_cfg.length_buckets
     widths = set()
     for b in batches.epoch(0):
@@ -72,7 +80,7 @@ def test_a_pair_uses_the_smallest_bucket_that_holds_its_product(prepared):
         width = b["doc_ids"].shape[1]
         widths.add(width)
         assert (b["doc_mask"].numpy()[real].sum(axis=1) == np.minimum(lengths, width)).all()
-        assert (D.bucket_index(lengths, buckets) == buckets.index(width)).all()
+        assert (static_batches.bucket_index(lengths, buckets) == buckets.index(width)).all()
     assert widths == set(buckets)  # the demo data fills both tiny buckets
     firsts = batches.first_batch_per_bucket()
     assert [f["doc_ids"].shape[1] for f in firsts] == list(buckets)
@@ -82,7 +90,7 @@ def test_a_pair_uses_the_smallest_bucket_that_holds_its_product(prepared):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ranks_step_together_and_cover_every_pair_once(prepared, world_size):
     B = prepared.data_cfg.batch_size
-    ranks = [D.TrainBatches(prepared, B, rank=r, world_size=world_size, seed=3) for r in range(world_size)]
+    ranks = [static_batches.TrainBatches(prepared, B, rank=r, world_size=world_size, seed=3) for r in range(world_size)]
     epochs = [list(r.epoch(1)) for r in ranks]
     assert len({len(e) for e in epochs}) == 1 and len(epochs[0]) == ranks[0].num_batches()
     # One bucket per step on every rank: the same graph everywhere, no rank waits for a longer one.
@@ -98,7 +106,7 @@ def test_order_is_fixed_by_seed_and_epoch_and_start_resumes(prepared):
     B = prepared.data_cfg.batch_size
 
     def product_order(seed, epoch, start=0):
-        batches = D.TrainBatches(prepared, B, rank=0, world_size=1, seed=seed)
+        batches = static_batches.TrainBatches(prepared, B, rank=0, world_size=1, seed=seed)
         return [tuple(b["product_index"].tolist()) for b in batches.epoch(epoch, start=start)]
 
     assert product_order(0, 0) == product_order(0, 0)
@@ -108,12 +116,12 @@ def test_order_is_fixed_by_seed_and_epoch_and_start_resumes(prepared):
 
 
 def test_no_pairs_means_no_batches(prepared):
-    empty = D.Pairs(queries=[], token_ids=np.zeros((0, prepared.data_cfg.query_length), np.int32),
+    empty = prepared_data.Pairs(queries=[], token_ids=np.zeros((0, prepared.data_cfg.query_length), np.int32),
                     lengths=np.zeros(0, np.int32), product_index=np.zeros(0, np.int64),
                     weight=np.zeros(0, np.float32), class_id=np.zeros(0, np.int64))
-    data = D.PreparedData(prepared.products, empty, empty, prepared.schema, prepared.tokenizer_path,
+    data = prepared_data.PreparedData(prepared.products, empty, empty, prepared.schema, prepared.tokenizer_path,
                           prepared.data_cfg)
-    batches = D.TrainBatches(data, 4, rank=0, world_size=2, seed=0)
+    batches = static_batches.TrainBatches(data, 4, rank=0, world_size=2, seed=0)
     assert batches.num_batches() == 0 and list(batches.epoch(0)) == []
 
 
@@ -121,7 +129,7 @@ def test_text_batches_cover_every_index_exactly_once(prepared):
     products = prepared.products
     buckets = prepared.data_cfg.length_buckets
     seen = []
-    for indices, ids, mask, n_real in D.text_batches(products.token_ids, products.lengths, 7, buckets):
+    for indices, ids, mask, n_real in static_batches.text_batches(products.token_ids, products.lengths, 7, buckets):
         assert indices.shape == (7,) and ids.shape == mask.shape and ids.shape[0] == 7 and ids.shape[1] in buckets
         real = indices >= 0
         assert n_real == real.sum() and real[:n_real].all()  # padding rows only at the end
@@ -134,54 +142,54 @@ def test_text_batches_cover_every_index_exactly_once(prepared):
 
 
 def test_encode_texts_wraps_truncates_and_pads(prepared):
-    tokenizer = D.load_tokenizer(prepared.tokenizer_path)
+    tokenizer = tokenization.load_tokenizer(prepared.tokenizer_path)
     cls, sep = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
-    ids, lengths = D.encode_texts(tokenizer, ["grey sofa", "grey sofa " * 50], 8)
+    ids, lengths = tokenization.encode_texts(tokenizer, ["grey sofa", "grey sofa " * 50], 8)
     assert ids.dtype == np.int32 and ids.shape == (2, 8) and lengths.tolist()[1] == 8
-    assert ids[0, 0] == cls and ids[0, lengths[0] - 1] == sep and (ids[0, lengths[0]:] == D.PAD_ID).all()
+    assert ids[0, 0] == cls and ids[0, lengths[0] - 1] == sep and (ids[0, lengths[0]:] == record_reading.PAD_ID).all()
     assert ids[1, 0] == cls and ids[1, 7] == sep  # truncation keeps the closing [SEP]
     assert tokenizer.truncation is None and tokenizer.padding is None  # the caller's tokenizer is untouched
     # lowercase + strip accents: the same ids for differently written text
-    a, _ = D.encode_texts(tokenizer, ["CAFE Creme"], 8)
-    b, _ = D.encode_texts(tokenizer, ["caf\u00e9 cr\u00e8me"], 8)
+    a, _ = tokenization.encode_texts(tokenizer, ["CAFE Creme"], 8)
+    b, _ = tokenization.encode_texts(tokenizer, ["caf\u00e9 cr\u00e8me"], 8)
     assert (a == b).all()
-    assert [tokenizer.id_to_token(i) for i in range(5)] == list(D.SPECIAL_TOKENS)
+    assert [tokenizer.id_to_token(i) for i in range(5)] == list(tokenization.SPECIAL_TOKENS)
 
 
 def test_tokenizer_training_is_deterministic(prepared):
     texts = list(prepared.products.texts) + list(prepared.train.queries)
-    first = D.train_tokenizer(texts, prepared.data_cfg.vocab_size)
-    assert all(D.train_tokenizer(texts, prepared.data_cfg.vocab_size).to_str() == first.to_str() for _ in range(3))
+    first = tokenization.train_tokenizer(texts, prepared.data_cfg.vocab_size)
+    assert all(tokenization.train_tokenizer(texts, prepared.data_cfg.vocab_size).to_str() == first.to_str() for _ in range(3))
     # "##" pieces are ordinary vocabulary, not special tokens that would split the input text.
     assert first.encode("##a").tokens[:2] == ["[CLS]", "[UNK]"]
 
 
 def test_schema_round_trips_and_maps_unseen_values_to_unknown(tmp_path):
-    products = [D.ProductRecord(id="a", title="x", numeric={"price": 10.0}, categorical={"colour": "red"},
+    products = [record_validation.ProductRecord(id="a", title="x", numeric={"price": 10.0}, categorical={"colour": "red"},
                                 category="c1"),
-                D.ProductRecord(id="b", title="y", numeric={"price": 30.0}, categorical={"colour": "blue"},
+                record_validation.ProductRecord(id="b", title="y", numeric={"price": 30.0}, categorical={"colour": "blue"},
                                 category="c2")]
-    schema = D.Schema.fit(products)
+    schema = feature_schema.Schema.fit(products)
     schema.save(tmp_path / "schema.json")
-    assert D.Schema.load(tmp_path / "schema.json") == schema
-    assert D.Schema.from_dict(dict(schema.to_dict())) == schema
+    assert feature_schema.Schema.load(tmp_path / "schema.json") == schema
+    assert feature_schema.Schema.from_dict(dict(schema.to_dict())) == schema
     assert schema.cardinalities == (3,)
-    new = [D.ProductRecord(id="c", title="z", categorical={"colour": "green"}),
-           D.ProductRecord(id="d", title="w", numeric={"price": 30.0}, categorical={"colour": "red"})]
+    new = [record_validation.ProductRecord(id="c", title="z", categorical={"colour": "green"}),
+           record_validation.ProductRecord(id="d", title="w", numeric={"price": 30.0}, categorical={"colour": "red"})]
     assert schema.categorical_matrix(new).tolist() == [[0], [2]]
     assert schema.numeric_matrix(new)[:, 0].tolist() == [0.0, 1.0]  # missing -> mean; (30-20)/10
-    assert schema.class_ids(["c2", "c9", None]).tolist() == [1, D.IGNORE_INDEX, D.IGNORE_INDEX]
+    assert schema.class_ids(["c2", "c9", None]).tolist() == [1, feature_schema.IGNORE_INDEX, feature_schema.IGNORE_INDEX]
 
 
 def test_load_prepared_without_prepare_says_what_to_run(tmp_path):
     with pytest.raises(BadInputError, match="pipeline_steps prepare"):
-        D.load_prepared(tmp_path)
+        prepared_data.load_prepared(tmp_path)
 
 
 def test_prepared_arrays_round_trip_through_parquet(prepared, tmp_path):
     path = tmp_path / "p.parquet"
-    D.save_pairs(path, prepared.train, prepared.products.ids)
-    again = D.read_pairs(path, prepared.data_cfg)
+    prepared_data.save_pairs(path, prepared.train, prepared.products.ids)
+    again = prepared_data.read_pairs(path, prepared.data_cfg)
     assert again.queries == prepared.train.queries
     for name in ("token_ids", "lengths", "product_index", "weight", "class_id"):
         assert np.array_equal(getattr(again, name), getattr(prepared.train, name))
@@ -192,8 +200,8 @@ def test_training_pairs_are_memory_mapped_not_copied_per_rank(prepared, tmp_path
     """Every rank of a node maps the same .npy files (one copy in the page cache) instead of
     decoding its own copy of the Parquet file; the values are the Parquet file's."""
     run_dir = Path(prepared.tokenizer_path).parents[1]
-    parquet = D.read_pairs(run_dir / PREPARED_DIR / "train_pairs.parquet", prepared.data_cfg)
-    for name in D.PAIR_ARRAYS:
+    parquet = prepared_data.read_pairs(run_dir / PREPARED_DIR / "train_pairs.parquet", prepared.data_cfg)
+    for name in prepared_data.PAIR_ARRAYS:
         mapped = getattr(prepared.train, name)
         assert isinstance(mapped, np.memmap) and not mapped.flags.writeable, name
         assert np.array_equal(mapped, getattr(parquet, name)), name
@@ -204,9 +212,9 @@ def test_every_rank_memory_maps_the_catalog_instead_of_copying_it(prepared):
     """The catalog's arrays are file-backed and read-only: the ranks of a node share one copy in
     the page cache (RSS per rank does not grow with the catalog or the number of ranks)."""
     run_dir = Path(prepared.tokenizer_path).parents[1]
-    products = D.load_prepared(run_dir).products
-    from_parquet = D.read_products(run_dir / PREPARED_DIR / "products.parquet", prepared.data_cfg, prepared.schema)
-    for name in D.PRODUCT_ARRAYS:
+    products = prepared_data.load_prepared(run_dir).products
+    from_parquet = prepared_data.read_products(run_dir / PREPARED_DIR / "products.parquet", prepared.data_cfg, prepared.schema)
+    for name in prepared_data.PRODUCT_ARRAYS:
         array = getattr(products, name)
         assert isinstance(array, np.memmap) and not array.flags.writeable, name
         np.testing.assert_array_equal(array, getattr(from_parquet, name))
@@ -215,12 +223,12 @@ def test_every_rank_memory_maps_the_catalog_instead_of_copying_it(prepared):
 
 
 def test_a_text_encoder_remembers_texts_across_calls_without_changing_their_rows():
-    tokenizer = D.train_tokenizer(["grey sofa", "oak table", "blue lamp"] * 3, 64)
+    tokenizer = tokenization.train_tokenizer(["grey sofa", "oak table", "blue lamp"] * 3, 64)
     calls = [["grey sofa", "oak table", "grey sofa"], ["oak table", "blue lamp", "red chair"], ["grey sofa"]]
     for capacity in (0, 2, 100):
-        encoder = D.TextEncoder(tokenizer, 6, capacity=capacity)
+        encoder = tokenization.TextEncoder(tokenizer, 6, capacity=capacity)
         for texts in calls:
-            got, expected = encoder(texts), D.encode_texts(tokenizer, texts, 6)
+            got, expected = encoder(texts), tokenization.encode_texts(tokenizer, texts, 6)
             np.testing.assert_array_equal(got[0], expected[0])
             np.testing.assert_array_equal(got[1], expected[1])
         assert len(encoder._row) == min(capacity, 4)
@@ -233,7 +241,7 @@ _AWKWARD = ["grey", "Sofa", " ", "  ", "\t", "\n", "\u00a0", "\u2003", "\x1c", "
 def _word_test_tokenizer(bert_normalizer: bool):
     from tokenizers import Tokenizer, normalizers
 
-    tokenizer = D.train_tokenizer(["grey sofa", "caf\u00e9 cr\u00e8me", "oak table, blue lamp!"] * 3, 80)
+    tokenizer = tokenization.train_tokenizer(["grey sofa", "caf\u00e9 cr\u00e8me", "oak table, blue lamp!"] * 3, 80)
     if bert_normalizer:  # what a Hugging Face BERT tokenizer.json (--pretrained) uses
         tokenizer = Tokenizer.from_str(tokenizer.to_str())
         tokenizer.normalizer = normalizers.BertNormalizer()
@@ -247,9 +255,9 @@ def test_encoding_by_words_gives_the_rows_of_encoding_whole_texts(texts, max_len
     """Tokenising each distinct space-separated word once and assembling the rows is exact:
     accents, case, punctuation, other whitespace, special-token strings and truncation included."""
     tokenizer = _word_test_tokenizer(bert_normalizer)
-    encoder = D.TextEncoder(tokenizer, max_length, capacity=0)
+    encoder = tokenization.TextEncoder(tokenizer, max_length, capacity=0)
     assert encoder._words is not None
-    got, expected = encoder._words(texts), D._encode_rows(encoder._tok, texts, max_length)
+    got, expected = encoder._words(texts), tokenization._encode_rows(encoder._tok, texts, max_length)
     np.testing.assert_array_equal(got[0], expected[0])
     np.testing.assert_array_equal(got[1], expected[1])
 
@@ -257,18 +265,18 @@ def test_encoding_by_words_gives_the_rows_of_encoding_whole_texts(texts, max_len
 def test_a_tokenizer_whose_words_can_span_spaces_is_encoded_whole():
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    tokenizer = D.train_tokenizer(["grey sofa", "oak table"] * 3, 64)
-    assert D.WordEncoder.of(tokenizer, 8) is not None
+    tokenizer = tokenization.train_tokenizer(["grey sofa", "oak table"] * 3, 64)
+    assert tokenization.WordEncoder.of(tokenizer, 8) is not None
     metaspace = Tokenizer.from_str(tokenizer.to_str())
     metaspace.pre_tokenizer = pre_tokenizers.Metaspace()  # "\u2581word": the space belongs to the token
-    assert D.WordEncoder.of(metaspace, 8) is None
-    assert D.WordEncoder.of(Tokenizer(models.WordPiece(unk_token="[UNK]")), 8) is None  # no [CLS] ... [SEP]
+    assert tokenization.WordEncoder.of(metaspace, 8) is None
+    assert tokenization.WordEncoder.of(Tokenizer(models.WordPiece(unk_token="[UNK]")), 8) is None  # no [CLS] ... [SEP]
 
 
 def test_query_keys_cache_stays_bounded_and_keys_stay_equal(monkeypatch):
-    monkeypatch.setattr(D, "ENCODE_CACHE_TEXTS", 4)
+    monkeypatch.setattr(tokenization, "ENCODE_CACHE_TEXTS", 4)
     cache: dict[str, int] = {}
     queries = [f"query {i}" for i in range(10)]
-    keys = np.concatenate([D.query_keys(queries[i:i + 3], 7, cache) for i in range(0, 10, 3)])
+    keys = np.concatenate([tokenization.query_keys(queries[i:i + 3], 7, cache) for i in range(0, 10, 3)])
     assert len(cache) <= 4 + 3  # emptied once past the bound, then one call's queries added
-    np.testing.assert_array_equal(keys, D.query_keys(queries, 7))
+    np.testing.assert_array_equal(keys, tokenization.query_keys(queries, 7))

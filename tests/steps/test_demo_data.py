@@ -7,7 +7,7 @@ from collections import defaultdict
 
 import pytest
 
-from pipeline_steps import data as D
+from pipeline_steps import record_reading, record_validation
 from pipeline_steps.config import get_preset
 from pipeline_steps.demo_data import COLOURS, TYPES, generate, write_demo
 
@@ -23,15 +23,15 @@ def test_written_in_the_upload_layout_with_both_formats(tmp_path):
     assert any(re.fullmatch(r"products/part-\d{5}\.jsonl", f) for f in files)
     assert any(re.fullmatch(r"pairs/part-\d{5}\.parquet", f) for f in files)
     preset = get_preset("tiny")
-    products = list(D.iter_records(D.list_input_files(out / "products")))
-    pairs = list(D.iter_records(D.list_input_files(out / "pairs")))
+    products = list(record_reading.iter_records(record_reading.list_input_files(out / "products")))
+    pairs = list(record_reading.iter_records(record_reading.list_input_files(out / "pairs")))
     assert len(products) == preset.demo_products
     assert len(pairs) == preset.demo_products * preset.demo_queries_per_product
     # Every record is valid input: the demo never trips the quarantine.
     for r in products:
-        D.validate_product(r.value, 4096)
+        record_validation.validate_product(r.value, 4096)
     for r in pairs:
-        D.validate_pair(r.value, 4096)
+        record_validation.validate_pair(r.value, 4096)
 
 
 def test_same_seed_same_bytes_other_seed_other_data(tmp_path):

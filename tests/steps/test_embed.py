@@ -17,9 +17,9 @@ import pytest
 
 from pipeline_steps import inference, shards
 from pipeline_steps.__main__ import main as cli
-from pipeline_steps.data import load_prepared
 from pipeline_steps.errors import BadConfigError
 from pipeline_steps.fileio import read_json
+from pipeline_steps.prepared_data import load_prepared
 from tests.steps.conftest import REPO, cli_env
 from tests.steps.fixtures_trained import checkpoint_at, tiny_trained, trained_run  # noqa: F401  fixtures
 

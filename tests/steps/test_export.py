@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from pipeline_contract import DEFAULT_MLFLOW_EXPERIMENT
-from pipeline_steps import checkpoint
-from pipeline_steps import data as data_lib
+from pipeline_steps import checkpoint, tokenization
 from pipeline_steps import inference as inference_lib
 from pipeline_steps.config import ModelConfig, from_dict, to_dict
 from pipeline_steps.model import EmbeddingModel
@@ -40,18 +40,18 @@ def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def _project_queries(ckpt: Path, texts: list[str]) -> np.ndarray:
     inference = inference_lib.load_for_inference(ckpt, "cpu")
     state = inference.state
-    tokenizer = data_lib.Tokenizer.from_str(state["tokenizer"]["json"])
+    tokenizer = Tokenizer.from_str(state["tokenizer"]["json"])
     length = state["config"]["data"]["query_length"]
-    ids, lengths = data_lib.encode_texts(tokenizer, texts, length)
+    ids, lengths = tokenization.encode_texts(tokenizer, texts, length)
     return inference_lib.embed_queries(inference, ids, lengths, batch_size=4, query_length=length)[0]
 
 
 def _project_products(ckpt: Path, texts: list[str]) -> np.ndarray:
     inference = inference_lib.load_for_inference(ckpt, "cpu")
     state = inference.state
-    tokenizer = data_lib.Tokenizer.from_str(state["tokenizer"]["json"])
+    tokenizer = Tokenizer.from_str(state["tokenizer"]["json"])
     buckets = state["config"]["data"]["length_buckets"]
-    ids, lengths = data_lib.encode_texts(tokenizer, texts, max(buckets))
+    ids, lengths = tokenization.encode_texts(tokenizer, texts, max(buckets))
     products = SimpleNamespace(token_ids=ids, lengths=lengths, numeric=np.zeros((len(texts), 0), np.float32),
                                categorical=np.zeros((len(texts), 0), np.int64))
     return inference_lib.embed_products(inference, products, np.arange(len(texts)), batch_size=4, buckets=buckets)

@@ -17,7 +17,7 @@ STEP_MODULES = {module for module, _ in cli.STEPS.values()}
 
 def imported_modules(path: Path) -> set[str]:
     """Every module a source file imports, anywhere in it (lazy imports inside functions too), as
-    absolute names: `from . import data as D` -> pipeline_steps.data, `from .trainer import X` ->
+    absolute names: `from . import tokenization` -> pipeline_steps.tokenization, `from .trainer import X` ->
     pipeline_steps.trainer."""
     package = cli.__package__
     found: set[str] = set()

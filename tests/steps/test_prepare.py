@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline_steps import data as D
+from pipeline_steps import feature_schema, prepared_data, record_reading, tokenization
 from pipeline_steps.__main__ import main as cli
 from pipeline_steps.demo_data import generate
 from pipeline_steps.errors import BadInputError, ExitCode
@@ -96,10 +96,10 @@ def test_each_bad_record_is_quarantined_with_its_reason_and_line(dirty_input, tm
     assert report["status"] == "ok"
     assert report["counts"]["products"]["reasons"]["wrong type"] == 2
     assert set(report["counts"]["products"]["reasons"]) | set(report["counts"]["pairs"]["reasons"]) \
-        <= set(D.QUARANTINE_REASONS)
+        <= set(record_reading.QUARANTINE_REASONS)
     assert report["counts"]["pairs"]["reasons"]["unknown product_id"] == 2
     # No good record is dropped: every product and pair of the clean data is in the prepared set.
-    prepared = D.load_prepared(run)
+    prepared = prepared_data.load_prepared(run)
     assert sorted(prepared.products.ids) == sorted(p["id"] for p in dirty_input["products"])
     assert len(prepared.train) + len(prepared.holdout) == len(dirty_input["pairs"])
     assert report["counts"]["pairs"]["good"] == len(dirty_input["pairs"])
@@ -117,7 +117,7 @@ def test_too_many_bad_records_fail_with_exit_65_and_a_fix_it(dirty_input, tmp_pa
     assert report["status"] == "failed" and report["counts"]["products"]["quarantined"] == len(BAD_PRODUCTS)
     assert (run / "prepared" / "quarantine.jsonl").read_text().count("\n") == len(BAD_PRODUCTS) + len(BAD_PAIRS)
     with pytest.raises(BadInputError, match="did not succeed"):
-        D.load_prepared(run)
+        prepared_data.load_prepared(run)
 
 
 def test_a_failed_rerun_does_not_leave_the_old_outputs_marked_ok(dirty_input, tmp_path):
@@ -125,7 +125,7 @@ def test_a_failed_rerun_does_not_leave_the_old_outputs_marked_ok(dirty_input, tm
     assert _prepare(run, "--demo") == 0
     assert _prepare(run, "--data", str(dirty_input["data"])) == ExitCode.BAD_INPUT
     with pytest.raises(BadInputError):
-        D.load_prepared(run)
+        prepared_data.load_prepared(run)
 
 
 def test_missing_or_empty_input_is_a_clear_error(tmp_path, caplog):
@@ -180,16 +180,16 @@ def test_parquet_inputs_are_validated_with_row_numbers(tmp_path):
     product_entries = [e for e in entries if e["kind"] == "products"]
     assert [(e["line"], e["reason"]) for e in product_entries] == [(4, "missing field")]
     assert {e["reason"] for e in entries if e["kind"] == "pairs"} <= {"unknown product_id"}
-    prepared = D.load_prepared(run)
+    prepared = prepared_data.load_prepared(run)
     # The struct-typed numeric column is read as features (price, rating, reviews).
     assert prepared.schema.numeric_names == ("price", "rating", "reviews")
     assert len(prepared.products) == 39
 
 
 def _split(run: Path) -> tuple[set[str], set[str]]:
-    prepared = D.load_prepared(run)
-    return ({D.normalise_query(q) for q in prepared.train.queries},
-            {D.normalise_query(q) for q in prepared.holdout.queries})
+    prepared = prepared_data.load_prepared(run)
+    return ({tokenization.normalise_query(q) for q in prepared.train.queries},
+            {tokenization.normalise_query(q) for q in prepared.holdout.queries})
 
 
 def test_holdout_split_is_deterministic_and_shares_no_query_with_train(tmp_path):
@@ -222,7 +222,7 @@ def test_init_from_reuses_the_tokenizer_and_schema_byte_identical(tmp_path):
     assert _prepare(second, "--data", str(data), "--init-from", str(first)) == 0
     for name in ("tokenizer.json", "schema.json"):
         assert (second / "prepared" / name).read_bytes() == (first / "prepared" / name).read_bytes()
-    prepared = D.load_prepared(second)
+    prepared = prepared_data.load_prepared(second)
     brand = prepared.schema.categorical_names.index("brand")
     assert prepared.products.categorical[0, brand] == 0  # unseen category -> unknown id
     report = read_json(second / "prepared" / "prepare.json")
@@ -256,7 +256,7 @@ def test_init_from_a_checkpoint_reuses_its_tokenizer(tmp_path):
         assert _prepare(second, "--demo", "--seed", "3", "--init-from", str(init_from)) == 0
         tokenizer = (second / "prepared" / "tokenizer.json").read_bytes()
         assert tokenizer == (first / "prepared" / "tokenizer.json").read_bytes()
-        assert D.Schema.load(second / "prepared" / "schema.json") == D.Schema.load(first / "prepared" / "schema.json")
+        assert feature_schema.Schema.load(second / "prepared" / "schema.json") == feature_schema.Schema.load(first / "prepared" / "schema.json")
 
 
 def test_init_from_a_run_without_prepared_data_is_a_clear_error(tmp_path, caplog):
@@ -268,16 +268,16 @@ def test_init_from_a_run_without_prepared_data_is_a_clear_error(tmp_path, caplog
 def test_pairs_are_streamed_in_chunks_without_changing_the_result(tmp_path, monkeypatch):
     """Memory holds one chunk of pairs at a time (one Parquet row group per chunk and side); the
     chunk size changes nothing in what is prepared."""
-    from pipeline_steps import prepare
+    from pipeline_steps import preparing
 
     assert _prepare(tmp_path / "whole", "--demo") == 0
-    monkeypatch.setattr(prepare, "PAIR_CHUNK", 50)
+    monkeypatch.setattr(preparing, "PAIR_CHUNK", 50)
     assert _prepare(tmp_path / "chunked", "--demo") == 0
     for name in ("train_pairs.parquet", "holdout_pairs.parquet"):
         chunked = pq.ParquetFile(tmp_path / "chunked" / "prepared" / name)
         assert max(chunked.metadata.row_group(i).num_rows for i in range(chunked.num_row_groups)) <= 50
         assert chunked.read().equals(pq.read_table(tmp_path / "whole" / "prepared" / name))
-    arrays = [D.pair_array_path(Path(), side, column).name for side in ("train", "holdout") for column in D.PAIR_ARRAYS]
+    arrays = [prepared_data.pair_array_path(Path(), side, column).name for side in ("train", "holdout") for column in prepared_data.PAIR_ARRAYS]
     for name in ("tokenizer.json", "schema.json", "products.parquet", "quarantine.jsonl", *arrays):
         assert (tmp_path / "chunked" / "prepared" / name).read_bytes() == (tmp_path / "whole" / "prepared" / name).read_bytes()
     assert not (tmp_path / "chunked" / "prepared" / "_work").exists()

@@ -16,12 +16,11 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline_steps import data as D
-from pipeline_steps import prepare as P
+from pipeline_steps import feature_schema, prepared_data, preparing, record_reading, tokenization
 from pipeline_steps.config import get_preset
 
 CFG = get_preset("tiny").data
-TOKENIZER = D.train_tokenizer(["grey sofa", "oak table", "lamp"], CFG.vocab_size)
+TOKENIZER = tokenization.train_tokenizer(["grey sofa", "oak table", "lamp"], CFG.vocab_size)
 
 # Any character, lone surrogates included (st.text() leaves them out by default).
 any_text = st.text(st.characters(codec=None, exclude_categories=()), max_size=12)
@@ -57,21 +56,21 @@ def _read(kind: str, raw_lines: list[bytes], product_rows: dict[str, int]):
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"{kind}.jsonl"
         path.write_bytes(b"\n".join(raw_lines) + b"\n")
-        quarantine = P.Quarantine()
+        quarantine = preparing.Quarantine()
         if kind == "products":
-            kept, num_read = P.read_products([path], CFG, quarantine)
+            kept, num_read = preparing.read_products([path], CFG, quarantine)
         else:
             counter = Counter()
-            kept = [q for chunk in P.iter_pair_chunks([path], CFG, product_rows, quarantine, counter, chunk_size=4)
+            kept = [q for chunk in preparing.iter_pair_chunks([path], CFG, product_rows, quarantine, counter, chunk_size=4)
                     for q in chunk.queries]
             num_read = counter["pairs"]
     return kept, num_read, quarantine
 
 
-def _check_accounting(kind: str, raw_lines: list[bytes], kept: list, num_read: int, quarantine: P.Quarantine):
+def _check_accounting(kind: str, raw_lines: list[bytes], kept: list, num_read: int, quarantine: preparing.Quarantine):
     assert num_read == _num_records(raw_lines)
     assert len(kept) + quarantine.count(kind) == num_read
-    assert {e["reason"] for e in quarantine.entries} <= set(D.QUARANTINE_REASONS)
+    assert {e["reason"] for e in quarantine.entries} <= set(record_reading.QUARANTINE_REASONS)
     assert all(e["detail"] for e in quarantine.entries)
     # The quarantine file is written as ASCII JSON: every entry must serialise.
     assert all(json.dumps(e).isascii() for e in quarantine.entries)
@@ -86,10 +85,10 @@ def test_any_product_line_is_kept_or_quarantined_with_a_documented_reason(raw_li
     kept, num_read, quarantine = _read("products", raw_lines, {})
     _check_accounting("products", raw_lines, kept, num_read, quarantine)
     # What was kept goes through the rest of prepare without an exception.
-    schema = D.Schema.fit(kept)
-    products = P.build_products(kept, TOKENIZER, schema, CFG)
+    schema = feature_schema.Schema.fit(kept)
+    products = preparing.build_products(kept, TOKENIZER, schema, CFG)
     with tempfile.TemporaryDirectory() as tmp:
-        D.save_products(Path(tmp) / "products.parquet", products)
+        prepared_data.save_products(Path(tmp) / "products.parquet", products)
 
 
 @SETTINGS
@@ -97,11 +96,11 @@ def test_any_product_line_is_kept_or_quarantined_with_a_documented_reason(raw_li
 def test_any_pair_line_is_kept_or_quarantined_with_a_documented_reason(raw_lines):
     queries, num_read, quarantine = _read("pairs", raw_lines, {"P1": 0, "P2": 1})
     _check_accounting("pairs", raw_lines, queries, num_read, quarantine)
-    D.holdout_mask(queries, CFG.holdout_fraction, seed=0)
-    D.encode_texts(TOKENIZER, queries, CFG.query_length)
+    tokenization.holdout_mask(queries, CFG.holdout_fraction, seed=0)
+    tokenization.encode_texts(TOKENIZER, queries, CFG.query_length)
 
 
 def test_the_documented_reasons_are_the_reasons_prepare_uses():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "data.md").read_text()
     documented = {line.split("`")[1] for line in doc.splitlines() if line.startswith("| `")}
-    assert set(D.QUARANTINE_REASONS) <= documented
+    assert set(record_reading.QUARANTINE_REASONS) <= documented

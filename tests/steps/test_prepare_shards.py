@@ -13,8 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline_steps import data as D
-from pipeline_steps import prepare_shards as S
+from pipeline_steps import feature_schema, prepare_shards, prepared_data, preparing, record_reading, static_batches
 from pipeline_steps.__main__ import main as cli
 from pipeline_steps.demo_data import generate
 from pipeline_steps.errors import ExitCode
@@ -23,12 +22,12 @@ from tests.steps.test_prepare import BAD_PAIRS, BAD_PRODUCTS, _write_jsonl
 
 UNIT_BYTES = 1500
 """Small units, so the tiny input is cut into many (JSON Lines lines straddle the cuts)."""
-OUTPUTS = (*S.P.OUTPUT_NAMES, "quarantine.jsonl")
+OUTPUTS = (*preparing.OUTPUT_NAMES, "quarantine.jsonl")
 
 
 @pytest.fixture(autouse=True)
 def small_units(monkeypatch):
-    monkeypatch.setattr(S, "UNIT_BYTES", UNIT_BYTES)
+    monkeypatch.setattr(prepare_shards, "UNIT_BYTES", UNIT_BYTES)
 
 
 @pytest.fixture
@@ -68,7 +67,7 @@ def test_any_shard_count_gives_the_records_quarantine_and_split_of_one_prepare(u
     runs = {count: tmp_path / f"shards-{count}" for count in (1, 2, 3)}
     for count, run in runs.items():
         assert _sharded(run, upload, count) == 0
-    plan_units = len(read_json(runs[1] / "prepared" / S.SHARDS / S.PLAN)["units"])
+    plan_units = len(read_json(runs[1] / "prepared" / prepare_shards.SHARDS / prepare_shards.PLAN)["units"])
     assert plan_units >= 8  # several JSON Lines byte ranges and Parquet row groups
     reference = _bytes(single)
     for count, run in runs.items():
@@ -86,30 +85,30 @@ def test_any_shard_count_gives_the_records_quarantine_and_split_of_one_prepare(u
         assert report["status"] == "ok" and report["shards"]["units"] == plan_units
         assert report["counts"] == read_json(single / "prepared" / "prepare.json")["counts"]
         # What stays in _shards/ after the finish is small: no second copy of the catalog arrays.
-        assert not list((run / "prepared" / S.SHARDS).glob("products.*.npy")), count
-    schema = D.Schema.load(runs[3] / "prepared" / "schema.json")
+        assert not list((run / "prepared" / prepare_shards.SHARDS).glob("products.*.npy")), count
+    schema = feature_schema.Schema.load(runs[3] / "prepared" / "schema.json")
     assert {"label-0", "label-1", "label-2"} <= set(schema.class_names)
     # Training reads the result: every train pair in the batches of one epoch.
-    prepared = D.load_prepared(runs[3])
-    batches = D.TrainBatches(prepared, 16, rank=0, world_size=1, seed=0)
+    prepared = prepared_data.load_prepared(runs[3])
+    batches = static_batches.TrainBatches(prepared, 16, rank=0, world_size=1, seed=0)
     rows = sum(int(batch["row_mask"].sum()) for batch in batches.epoch(0))
-    assert rows == len(prepared.train) == len(D.load_prepared(single).train)
+    assert rows == len(prepared.train) == len(prepared_data.load_prepared(single).train)
 
 
 def test_a_rerun_with_the_same_count_is_byte_identical_and_finished_units_are_skipped(upload, tmp_path, caplog):
     run = tmp_path / "run"
     assert _sharded(run, upload, 2) == 0
     first = _bytes(run)
-    assert not (run / "prepared" / S.SHARDS / "units").exists()  # the bulk is removed after the finish
+    assert not (run / "prepared" / prepare_shards.SHARDS / "units").exists()  # the bulk is removed after the finish
     assert _sharded(run, upload, 2) == 0
     assert _bytes(run) == first
     # A child rerun after its units are complete redoes nothing.
     args = ["prepare", "--run-dir", str(run), "--phase", "shard", "--shard-index", "1", "--shard-count", "2"]
     assert cli(args) == 0
-    before = {p: p.stat().st_mtime_ns for p in (run / "prepared" / S.SHARDS / "units").iterdir()}
+    before = {p: p.stat().st_mtime_ns for p in (run / "prepared" / prepare_shards.SHARDS / "units").iterdir()}
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="pipeline_steps.prepare"):
-        assert S.run_shard(run, 1, 2)["written"] == []
+        assert prepare_shards.run_shard(run, 1, 2)["written"] == []
     assert "already complete" in caplog.text
     assert {p: p.stat().st_mtime_ns for p in before} == before
 
@@ -119,15 +118,15 @@ def test_a_killed_child_leaves_nothing_the_finish_accepts_and_its_rerun_complete
     assert _sharded(reference, upload, 3) == 0
     run = tmp_path / "run"
     assert _sharded(run, upload, 3) == 0
-    shards = run / "prepared" / S.SHARDS
-    plan = read_json(shards / S.PLAN)
+    shards = run / "prepared" / prepare_shards.SHARDS
+    plan = read_json(shards / prepare_shards.PLAN)
     for index in range(3):
         assert cli(["prepare", "--run-dir", str(run), "--phase", "shard", "--shard-index", str(index),
                     "--shard-count", "3"]) == 0
     # Child 1 killed while writing its first unit: the part renamed into place but cut short, a
     # temp file of the next write, and no sidecar yet (the sidecar is written last).
-    unit = S.shard_bounds(len(plan["units"]), 1, 3)[0]
-    paths = S.unit_paths(shards, unit)
+    unit = prepare_shards.shard_bounds(len(plan["units"]), 1, 3)[0]
+    paths = prepare_shards.unit_paths(shards, unit)
     paths["sidecar"].unlink()
     paths["train"].write_bytes(paths["train"].read_bytes()[:100])
     stale = paths["holdout"].parent / f".{paths['holdout'].name}.k1ll3d.tmp"
@@ -136,15 +135,15 @@ def test_a_killed_child_leaves_nothing_the_finish_accepts_and_its_rerun_complete
     caplog.clear()
     assert cli(["prepare", "--run-dir", str(run), "--phase", "finish", "--shard-count", "3"]) == ExitCode.BAD_INPUT
     assert f"{unit} (not written yet)" in caplog.text and "shards [1] of 3" in caplog.text
-    with pytest.raises(S.BadInputError):
-        D.load_prepared(run)
+    with pytest.raises(prepare_shards.BadInputError):
+        prepared_data.load_prepared(run)
     # A sidecar beside a file changed after it was written is not accepted either.
-    other = S.unit_paths(shards, unit + 1)["quarantine"]
+    other = prepare_shards.unit_paths(shards, unit + 1)["quarantine"]
     other.write_bytes(other.read_bytes() + b"\n")
-    assert S.unit_status(shards, plan["plan_id"], unit + 1) == f"{other.name} missing or modified"
+    assert prepare_shards.unit_status(shards, plan["plan_id"], unit + 1) == f"{other.name} missing or modified"
     # The rerun of the child redoes exactly its broken units, and the finish gives the reference.
-    assert unit + 1 < S.shard_bounds(len(plan["units"]), 1, 3)[1]  # both in shard 1
-    assert S.run_shard(run, 1, 3)["written"] == [unit, unit + 1]
+    assert unit + 1 < prepare_shards.shard_bounds(len(plan["units"]), 1, 3)[1]  # both in shard 1
+    assert prepare_shards.run_shard(run, 1, 3)["written"] == [unit, unit + 1]
     assert not stale.exists()
     assert cli(["prepare", "--run-dir", str(run), "--phase", "finish", "--shard-count", "3"]) == 0
     assert _bytes(run) == _bytes(reference)
@@ -157,7 +156,7 @@ def test_too_many_bad_pairs_fail_the_finish_with_65_naming_the_files(upload, tmp
     caplog.clear()
     assert cli([*base, "--phase", "plan", "--data", str(upload)]) == ExitCode.BAD_INPUT
     assert "products records are bad" in caplog.text and "--max-bad-fraction" in caplog.text
-    assert not (run / "prepared" / S.SHARDS / S.PLAN).exists()
+    assert not (run / "prepared" / prepare_shards.SHARDS / prepare_shards.PLAN).exists()
     # A clean catalog and too many bad pairs: the finish fails and names what to fix.
     clean = tmp_path / "clean"
     shutil.copytree(upload, clean)
@@ -193,16 +192,16 @@ def test_units_cover_every_line_once_whatever_the_line_lengths(tmp_path):
     lines[50] = b""  # a blank line holds no record, but counts as a line
     lines[60] = b'{"query": "broken'
     path.write_bytes(b"\r\n".join(lines))  # CRLF, and no newline after the last line
-    units = S.plan_units([path], unit_bytes=1000)
+    units = prepare_shards.plan_units([path], unit_bytes=1000)
     assert len(units) > 20 and units[0]["start"] == 0 and units[-1]["end"] == path.stat().st_size
     assert all(a["end"] == b["start"] for a, b in zip(units, units[1:]))
     records, offset = [], 0
     for unit in units:
-        reader = S.unit_batches(unit)
+        reader = prepare_shards.unit_batches(unit)
         for batch in reader:
             records += [(r.line + offset, r.value, r.reason) for r in map(batch.raw_record, range(len(batch)))]
         offset += reader.lines
-    expected = [(r.line, r.value, r.reason) for r in D.iter_records([path])]
+    expected = [(r.line, r.value, r.reason) for r in record_reading.iter_records([path])]
     assert records == expected and offset == len(lines)
     assert records[0][1] == {"query": "first", "product_id": "P1"}  # the BOM is dropped
 

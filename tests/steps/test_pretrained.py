@@ -10,8 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline_steps import checkpoint, distributed, holdout_evaluation, inference, pretrained
-from pipeline_steps import data as data_lib
+from pipeline_steps import (
+    checkpoint,
+    distributed,
+    holdout_evaluation,
+    inference,
+    prepared_data,
+    pretrained,
+    static_batches,
+)
 from pipeline_steps import retrieval_metrics as metrics
 from pipeline_steps.config import PRETRAINED_TRAIN, get_preset
 from pipeline_steps.errors import ExitCode
@@ -44,9 +51,9 @@ def pretrained_run(pretrained_prepared: Path, tmp_path: Path) -> Path:
 
 def _texts_batch(run_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """A few catalog texts of different lengths, tokenized by the run's (the BERT's) tokenizer."""
-    products = data_lib.load_prepared(run_dir).products
+    products = prepared_data.load_prepared(run_dir).products
     rows = np.argsort(products.lengths)[[0, len(products.lengths) // 2, -1]]
-    ids, mask = data_lib._gather(products.token_ids, products.lengths, rows, products.token_ids.shape[1])
+    ids, mask = static_batches._gather(products.token_ids, products.lengths, rows, products.token_ids.shape[1])
     return torch.from_numpy(ids), torch.from_numpy(mask)
 
 
@@ -139,7 +146,7 @@ def _untrained_against_sentence_transformers(run_dir: Path, bert_dir: Path, metr
     trainer = Trainer(run_dir, "tiny", get_preset("tiny").train, distributed.init("cpu"))
     assert trainer.model_cfg.num_numeric > 0 and trainer.model_cfg.categorical_cardinalities, "features must be fused"
     ckpt = trainer.save_checkpoint()
-    prepared = data_lib.load_prepared(run_dir)
+    prepared = prepared_data.load_prepared(run_dir)
     holdout = holdout_evaluation.holdout_queries(prepared.holdout)
     ours = holdout_evaluation.evaluate_model(inference.load_for_inference(ckpt, "cpu"), prepared, holdout, batch_size=16)
 

@@ -17,9 +17,9 @@ import torch
 
 from pipeline_steps import checkpoint
 from pipeline_steps.config import get_preset
-from pipeline_steps.data import train_tokenizer
 from pipeline_steps.errors import ExitCode
 from pipeline_steps.fileio import read_json
+from pipeline_steps.tokenization import train_tokenizer
 
 from .conftest import REPO, cli_env, run_cli
 from .fixtures_trained import tiny_trained, trained_run  # noqa: F401  fixtures

@@ -12,7 +12,7 @@ from pipeline_steps import upload_readiness
 from pipeline_steps.__main__ import main as cli
 from pipeline_steps.demo_data import generate
 from pipeline_steps.errors import BadInputError, ExitCode, RetryableError
-from pipeline_steps.prepare import main as prepare_main
+from pipeline_steps.steps.prepare import main as prepare_main
 
 
 def _upload(root: Path) -> tuple[Path, dict[str, bytes]]:

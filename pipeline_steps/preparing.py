@@ -1,15 +1,9 @@
-"""Step `prepare`: validate the input records, train (or reuse) the tokenizer, split a holdout by
-query, and write the pre-tokenised static-shape inputs of training, validation and inference to
-RUN_DIR/prepared/ (files and formats: docs/data.md, "Outputs"; prepare.json is written last).
-
-Exit codes: 0 ok; 65 a missing or empty input, or more than --max-bad-fraction quarantined;
-75 the upload is still incomplete on FSx after --upload-timeout; 78 a bad flag value.
-
-Local:  python -m pipeline_steps prepare --run-dir runs/demo --demo --preset tiny
-AWS:    --phase plan, then --phase shard on every child of an array job, then --phase finish
-        (prepare_shards.py): the same outputs, the work spread over the children.
-Memory: the catalog plus one chunk of pairs (docs/data.md, "Scale").
-"""
+"""The preparing library both phases of `prepare` use (pipeline_steps/steps/prepare.py runs them):
+reading and validating the inputs with a quarantine, the tokenizer and feature schema (trained, or
+an --init-from run's), the catalog's static-shape arrays, the pairs spilled and tokenised in
+chunks, the outputs and prepare.json. `prepare()` runs it all in one process; the array-job
+phases (prepare_shards.py) spread the pairs over the children and write the same outputs. Files
+and formats: docs/data.md, "Outputs"; memory: the catalog plus one chunk of pairs ("Scale")."""
 
 from __future__ import annotations
 
@@ -31,13 +25,21 @@ from typing import IO, Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from tokenizers import Tokenizer
 
 from pipeline_contract import FSX_INCOMING, PREPARE_REPORT, PREPARED_DIR
 
-from . import batch_validation as V
-from . import data as D
-from . import tracking, upload_readiness
-from .config import DataConfig, get_preset, to_dict
+from . import (
+    batch_validation,
+    feature_schema,
+    prepared_data,
+    record_reading,
+    record_validation,
+    static_batches,
+    tokenization,
+    upload_readiness,
+)
+from .config import DataConfig, to_dict
 from .errors import BadConfigError, BadInputError, StepError
 from .fileio import atomic_path, atomic_write_bytes, atomic_write_json, sha256_file
 from .pretrained import previous_staged
@@ -102,7 +104,7 @@ def _data_dir_inputs(data_dir: Path) -> tuple[list[Path], list[Path]]:
         if not paths:
             raise BadInputError(f"{data_dir} has no {kind} input; expected {data_dir}/{kind}/part-*.jsonl|parquet "
                                 f"(or a {kind}*.jsonl / {kind}*.parquet file)")
-        found[kind] = [f for p in paths for f in D.list_input_files(p)]
+        found[kind] = [f for p in paths for f in record_reading.list_input_files(p)]
     return found["products"], found["pairs"]
 
 
@@ -116,10 +118,10 @@ def resolve_inputs(args: argparse.Namespace, run_dir: Path, seed: int) -> tuple[
     if args.data is not None:
         upload_readiness.wait_for_upload(args.data, args.upload_timeout)
         return _data_dir_inputs(args.data)
-    return D.list_input_files(args.products), D.list_input_files(args.pairs)
+    return record_reading.list_input_files(args.products), record_reading.list_input_files(args.pairs)
 
 
-def _input_checksums(files: Sequence[Path]) -> list[dict[str, Any]]:
+def input_checksums(files: Sequence[Path]) -> list[dict[str, Any]]:
     return [{"path": str(f), "bytes": f.stat().st_size, "sha256": sha256_file(f)} for f in files]
 
 
@@ -140,24 +142,24 @@ def fewer_gc_passes() -> Iterator[None]:
         gc.set_threshold(*before)
 
 
-def _quarantine_batch(kind: str, batch: D.RecordBatch, rejected: list[V.Rejected], quarantine: Quarantine) -> None:
+def _quarantine_batch(kind: str, batch: record_reading.RecordBatch, rejected: list[batch_validation.Rejected], quarantine: Quarantine) -> None:
     """Add the rejected records of `batch` to the quarantine, in input order."""
     for r in sorted(rejected, key=lambda r: r.index):
         quarantine.add(kind, batch.source, batch.lines[r.index], r.reason, r.detail,
                        batch.raw_record(r.index).raw_text())
 
 
-def read_products(files: Sequence[Path], cfg: DataConfig, quarantine: Quarantine) -> tuple[list[D.ProductRecord], int]:
+def read_products(files: Sequence[Path], cfg: DataConfig, quarantine: Quarantine) -> tuple[list[record_validation.ProductRecord], int]:
     """Valid products (first of each id) and the number of records read."""
-    products: list[D.ProductRecord] = []
+    products: list[record_validation.ProductRecord] = []
     first_seen: dict[str, str] = {}
     num_read = 0
-    for batch in D.iter_batches(files):
+    for batch in record_reading.iter_batches(files):
         num_read += len(batch)
-        valid, rejected = V.validate_products(batch, cfg.max_text_chars)
+        valid, rejected = batch_validation.validate_products(batch, cfg.max_text_chars)
         for i, product in valid:
             if product.id in first_seen:
-                rejected.append(V.Rejected(i, "duplicate product id",
+                rejected.append(batch_validation.Rejected(i, "duplicate product id",
                                            f"id {product.id!r} already defined at {first_seen[product.id]}"))
                 continue
             first_seen[product.id] = f"{batch.source}:{batch.lines[i]}"
@@ -181,20 +183,20 @@ class PairChunk:
 
 def iter_pair_chunks(files: Sequence[Path], cfg: DataConfig, product_row: dict[str, int], quarantine: Quarantine,
                      num_read: Counter, chunk_size: int = PAIR_CHUNK,
-                     batches: Iterable[D.RecordBatch] | None = None) -> Iterator[PairChunk]:
+                     batches: Iterable[record_reading.RecordBatch] | None = None) -> Iterator[PairChunk]:
     """The valid pairs whose product exists, PAIR_CHUNK at a time; num_read["pairs"] counts every record
     read (of `files`, or the given `batches`: one unit of them)."""
     queries: list[str] = []
     rows: list[int] = []
     weights: list[float] = []
     labels: list[str | None] = []
-    for batch in D.iter_batches(files) if batches is None else batches:
+    for batch in record_reading.iter_batches(files) if batches is None else batches:
         num_read["pairs"] += len(batch)
-        valid, rejected = V.validate_pairs(batch, cfg.max_text_chars)
+        valid, rejected = batch_validation.validate_pairs(batch, cfg.max_text_chars)
         found = [product_row.get(product_id) for product_id in valid.product_ids]
         known = [k for k, row in enumerate(found) if row is not None]
         for k in (k for k, row in enumerate(found) if row is None):
-            rejected.append(V.Rejected(valid.index[k], "unknown product_id", f"product {valid.product_ids[k]!r} "
+            rejected.append(batch_validation.Rejected(valid.index[k], "unknown product_id", f"product {valid.product_ids[k]!r} "
                                        f"is not in the catalog (or was quarantined)"))
         if len(known) < len(found):
             found, valid = [found[k] for k in known], valid.subset(known)
@@ -211,7 +213,7 @@ def iter_pair_chunks(files: Sequence[Path], cfg: DataConfig, product_row: dict[s
         yield PairChunk(queries, np.array(rows, np.int64), np.array(weights, np.float32), labels)
 
 
-def _counts(kind: str, num_read: int, quarantine: Quarantine) -> dict[str, Any]:
+def record_counts(kind: str, num_read: int, quarantine: Quarantine) -> dict[str, Any]:
     bad = quarantine.count(kind)
     return {"read": num_read, "good": num_read - bad, "quarantined": bad,
             "fraction_bad": bad / num_read if num_read else 0.0,
@@ -243,14 +245,14 @@ def check_threshold(counts: dict[str, dict[str, Any]], max_bad_fraction: float, 
 # --init-from: the previous tokenizer and schema
 # ---------------------------------------------------------------------------------------------
 
-def load_previous(init_from: Path) -> tuple[bytes, D.Schema, str]:
+def load_previous(init_from: Path) -> tuple[bytes, feature_schema.Schema, str]:
     """(tokenizer.json bytes, schema, where they came from) of the run or checkpoint to continue
     from: RUN_DIR/prepared/ when it exists, else the checkpoint (the given .pt, or the run's latest)."""
     if not init_from.exists():
         raise BadInputError(f"--init-from {init_from} does not exist; pass the previous run dir or a checkpoint .pt")
     prepared = init_from / PREPARED_DIR
     if init_from.is_dir() and (prepared / "tokenizer.json").is_file() and (prepared / "schema.json").is_file():
-        return (prepared / "tokenizer.json").read_bytes(), D.Schema.load(prepared / "schema.json"), str(prepared)
+        return (prepared / "tokenizer.json").read_bytes(), feature_schema.Schema.load(prepared / "schema.json"), str(prepared)
     from . import checkpoint  # imports torch and the model: paid only on this path
 
     if init_from.is_dir() and checkpoint.latest(init_from) is None:
@@ -267,17 +269,17 @@ def load_previous(init_from: Path) -> tuple[bytes, D.Schema, str]:
     if tok_sha and hashlib.sha256(data).hexdigest() != tok_sha:
         raise BadInputError(f"the tokenizer stored in {source} fails its sha256 check; the checkpoint is "
                             f"damaged: pass another checkpoint or the previous run dir")
-    return data, D.Schema.from_dict(dict(schema)), str(source)
+    return data, feature_schema.Schema.from_dict(dict(schema)), str(source)
 
 
 # ---------------------------------------------------------------------------------------------
 # Building the outputs
 # ---------------------------------------------------------------------------------------------
 
-def build_products(records: Sequence[D.ProductRecord], tokenizer, schema: D.Schema, cfg: DataConfig) -> D.Products:
+def build_products(records: Sequence[record_validation.ProductRecord], tokenizer, schema: feature_schema.Schema, cfg: DataConfig) -> prepared_data.Products:
     texts = [p.text for p in records]
-    token_ids, lengths = D.encode_texts(tokenizer, texts, max(cfg.length_buckets))
-    return D.Products(ids=[p.id for p in records], titles=[p.title for p in records], texts=texts,
+    token_ids, lengths = tokenization.encode_texts(tokenizer, texts, max(cfg.length_buckets))
+    return prepared_data.Products(ids=[p.id for p in records], titles=[p.title for p in records], texts=texts,
                       token_ids=token_ids, lengths=lengths, numeric=schema.numeric_matrix(records),
                       categorical=schema.categorical_matrix(records),
                       class_id=schema.class_ids([p.category for p in records]))
@@ -301,13 +303,13 @@ def spill_pairs(files: Sequence[Path], cfg: DataConfig, product_row: dict[str, i
                 work: Path, seed: int) -> SpilledPairs:
     """Validate the pairs and split them by query, holding one chunk in memory at a time."""
     num_read: Counter = Counter()
-    sample = D.TextSample(TOKENIZER_SAMPLE // 2)
+    sample = tokenization.TextSample(TOKENIZER_SAMPLE // 2)
     labels: set[str] = set()
     spilled, num_valid, num_train = [], 0, 0
-    threshold = D.holdout_threshold(cfg.holdout_fraction)
+    threshold = tokenization.holdout_threshold(cfg.holdout_fraction)
     known_keys: dict[str, int] = {}  # queries repeat across chunks
     for i, chunk in enumerate(iter_pair_chunks(files, cfg, product_row, quarantine, num_read, PAIR_CHUNK)):
-        keys = D.query_keys(chunk.queries, seed, known_keys)
+        keys = tokenization.query_keys(chunk.queries, seed, known_keys)
         holdout = keys < threshold
         num_valid += len(chunk)
         num_train += int((~holdout).sum())
@@ -342,10 +344,10 @@ class PairOutputs:
     the arrays training memory-maps (<side>_pairs.<name>.npy, `num_rows[side]` rows), each renamed
     into place when the block ends without an error; `stats` holds the report's running totals."""
 
-    def __init__(self, out: Path, num_rows: dict[str, int], cfg: DataConfig, products: D.Products):
+    def __init__(self, out: Path, num_rows: dict[str, int], cfg: DataConfig, products: prepared_data.Products):
         self.out, self.num_rows, self.query_length = out, num_rows, cfg.query_length
         self.product_ids = pa.array(products.ids, pa.string())
-        self.product_buckets = D.bucket_index(products.lengths, cfg.length_buckets)
+        self.product_buckets = static_batches.bucket_index(products.lengths, cfg.length_buckets)
         self.stats = PairStats()
         self._stack = contextlib.ExitStack()
 
@@ -353,16 +355,16 @@ class PairOutputs:
         stack = self._stack.__enter__()
         # Each writer is entered after its atomic path, so it closes before the file is renamed.
         self.writers = {side: stack.enter_context(pq.ParquetWriter(stack.enter_context(atomic_path(
-            self.out / f"{side}_pairs.parquet")), D.PAIRS_SCHEMA)) for side in self.num_rows}
+            self.out / f"{side}_pairs.parquet")), prepared_data.PAIRS_SCHEMA)) for side in self.num_rows}
         self.arrays = {side: {name: np.lib.format.open_memmap(
-            stack.enter_context(atomic_path(D.pair_array_path(self.out, side, name))), mode="w+",
+            stack.enter_context(atomic_path(prepared_data.pair_array_path(self.out, side, name))), mode="w+",
             dtype=PAIR_DTYPES[name], shape=(rows, self.query_length) if name == "token_ids" else (rows,))
-            for name in D.PAIR_ARRAYS} for side, rows in self.num_rows.items()}
+            for name in prepared_data.PAIR_ARRAYS} for side, rows in self.num_rows.items()}
         return self
 
-    def append(self, side: str, queries: pa.Array | pa.ChunkedArray, pairs: D.Pairs, keys: np.ndarray) -> None:
+    def append(self, side: str, queries: pa.Array | pa.ChunkedArray, pairs: prepared_data.Pairs, keys: np.ndarray) -> None:
         """The next rows of `side`: the tokenised pairs, their query texts and query keys."""
-        self.writers[side].write_table(D.pairs_table(queries, self.product_ids.take(pairs.product_index), pairs))
+        self.writers[side].write_table(prepared_data.pairs_table(queries, self.product_ids.take(pairs.product_index), pairs))
         start = self.stats.num[side]
         for name, array in self.arrays[side].items():
             array[start:start + len(pairs)] = getattr(pairs, name)
@@ -380,11 +382,11 @@ class PairOutputs:
         return self._stack.__exit__(*exc)
 
 
-def write_pairs(spilled: SpilledPairs, tokenizer, schema: D.Schema, cfg: DataConfig, products: D.Products,
+def write_pairs(spilled: SpilledPairs, tokenizer, schema: feature_schema.Schema, cfg: DataConfig, products: prepared_data.Products,
                 out: Path) -> PairStats:
     """Tokenise the spilled pairs chunk by chunk into the pair outputs (PairOutputs)."""
     num_rows = {"train": spilled.num_train, "holdout": spilled.num_valid - spilled.num_train}
-    encoder = D.TextEncoder(tokenizer, cfg.query_length)
+    encoder = tokenization.TextEncoder(tokenizer, cfg.query_length)
     with PairOutputs(out, num_rows, cfg, products) as outputs:
         for path in spilled.files:
             with pa.memory_map(str(path)) as source:
@@ -398,22 +400,22 @@ def write_pairs(spilled: SpilledPairs, tokenizer, schema: D.Schema, cfg: DataCon
     return outputs.stats
 
 
-def _tokenised_pairs(part: pa.Table, encoder: D.TextEncoder, schema: D.Schema, product_class: np.ndarray) -> D.Pairs:
+def _tokenised_pairs(part: pa.Table, encoder: tokenization.TextEncoder, schema: feature_schema.Schema, product_class: np.ndarray) -> prepared_data.Pairs:
     token_ids, lengths = encoder(part.column("query"))
     product_index = part.column("product_index").to_numpy()
-    return D.Pairs(queries=[], token_ids=token_ids, lengths=lengths, product_index=product_index,
+    return prepared_data.Pairs(queries=[], token_ids=token_ids, lengths=lengths, product_index=product_index,
                    weight=part.column("weight").to_numpy(),
                    class_id=pair_class_ids(part.column("label").to_pylist(), product_index, schema, product_class))
 
 
-def pair_class_ids(labels: Sequence[str | None], product_index: np.ndarray, schema: D.Schema,
+def pair_class_ids(labels: Sequence[str | None], product_index: np.ndarray, schema: feature_schema.Schema,
                    product_class: np.ndarray) -> np.ndarray:
     """int64 [n]: a pair's own label wins; otherwise the class is its product's category."""
     has_label = np.array([label is not None for label in labels], dtype=bool)
     return np.where(has_label, schema.class_ids(labels), product_class[product_index]).astype(np.int64)
 
 
-def schema_coverage(schema: D.Schema, products: Sequence[D.ProductRecord], built: D.Products) -> dict[str, Any]:
+def schema_coverage(schema: feature_schema.Schema, products: Sequence[record_validation.ProductRecord], built: prepared_data.Products) -> dict[str, Any]:
     """How well a reused schema covers the new data: features it ignores, values it maps to 0."""
     seen_numeric = {k for p in products for k in p.numeric}
     seen_categorical = {k for p in products for k in p.categorical}
@@ -423,10 +425,10 @@ def schema_coverage(schema: D.Schema, products: Sequence[D.ProductRecord], built
     return {"ignored_numeric_features": sorted(seen_numeric - set(schema.numeric_names)),
             "ignored_categorical_features": sorted(seen_categorical - set(schema.categorical_names)),
             "unknown_categorical_values": unknown_values,
-            "products_without_class": int((built.class_id == D.IGNORE_INDEX).sum())}
+            "products_without_class": int((built.class_id == feature_schema.IGNORE_INDEX).sum())}
 
 
-def _sha256_bytes(data: bytes) -> str:
+def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
@@ -434,49 +436,8 @@ def _sha256_bytes(data: bytes) -> str:
 # The step
 # ---------------------------------------------------------------------------------------------
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m pipeline_steps prepare",
-                                     description="Validate records, train the tokenizer, write static-shape inputs.")
-    parser.add_argument("--run-dir", type=Path, required=True)
-    source = parser.add_mutually_exclusive_group()  # required, except by --phase shard / finish
-    source.add_argument("--data", type=Path, help="directory holding products*/ and pairs* (the upload layout)")
-    source.add_argument("--products", type=Path, help="products file or directory of shards (with --pairs)")
-    source.add_argument("--demo", action="store_true", help="generate the bundled demo data into RUN_DIR/input/")
-    parser.add_argument("--pairs", type=Path, help="pairs file or directory of shards (with --products)")
-    parser.add_argument("--preset", default="tiny", help="sets buckets, query length, vocabulary size, demo size")
-    parser.add_argument("--init-from", type=Path,
-                        help="previous run dir or checkpoint .pt: reuse its tokenizer + schema")
-    parser.add_argument("--pretrained", type=Path,
-                        help="Hugging Face BERT dir (config.json, model.safetensors, tokenizer.json): keep its "
-                             "tokenizer; train starts the encoder from its weights")
-    parser.add_argument("--max-bad-fraction", type=float, help="override the preset's quarantine threshold")
-    parser.add_argument("--seed", type=int, default=0, help="holdout split (and demo data) seed")
-    parser.add_argument("--upload-timeout", type=float, default=0.0, metavar="SECONDS",
-                        help="with --data on FSx: wait up to this long for every file of the upload (listed in "
-                             "its _SUCCESS manifest) to be imported, then exit 75 (retryable); 0 = local data")
-    parser.add_argument("--phase", choices=("plan", "shard", "finish"),
-                        help="prepare as an AWS Batch array job (docs/data.md, Scale): plan (inputs, catalog, "
-                             "tokenizer, units of the pairs), shard (one array child's units), finish (the "
-                             "outputs and prepare.json); default: everything in this process")
-    parser.add_argument("--shard-index", type=int, help="--phase shard: default $AWS_BATCH_JOB_ARRAY_INDEX or 0")
-    parser.add_argument("--shard-count", type=int,
-                        help="--phase shard: the array size (default $AWS_BATCH_JOB_ARRAY_SIZE or 1); "
-                             "--phase finish: names the shards to rerun when units are missing")
-    args = parser.parse_args(argv)
-    if args.phase in (None, "plan") and not (args.data or args.products or args.demo):
-        parser.error("one of the arguments --data --products --demo is required")
-    if args.phase not in ("shard", "finish") and (args.shard_index, args.shard_count) != (None, None):
-        parser.error("--shard-index/--shard-count go with --phase shard (or finish)")
-    if (args.products is None) != (args.pairs is None):
-        parser.error("--products and --pairs go together (and not with --data/--demo)")
-    if args.init_from is not None and args.pretrained is not None:
-        parser.error("--init-from continues a trained model (its tokenizer and weights); --pretrained starts "
-                     "from a Hugging Face encoder: pass one of them")
-    return args
-
-
 def validate_inputs(product_files: Sequence[Path], pair_files: Sequence[Path], cfg: DataConfig, out: Path,
-                    seed: int, report: dict[str, Any]) -> tuple[list[D.ProductRecord], SpilledPairs]:
+                    seed: int, report: dict[str, Any]) -> tuple[list[record_validation.ProductRecord], SpilledPairs]:
     """Read and validate every record, stream the quarantine, spill the valid pairs to out/_work/,
     fill report["counts"], apply the threshold."""
     work = out / WORK_DIR
@@ -487,8 +448,8 @@ def validate_inputs(product_files: Sequence[Path], pair_files: Sequence[Path], c
         quarantine = Quarantine(sink)
         products, num_products_read = read_products(product_files, cfg, quarantine)
         spilled = spill_pairs(pair_files, cfg, {p.id: i for i, p in enumerate(products)}, quarantine, work, seed)
-    counts = {"products": _counts("products", num_products_read, quarantine),
-              "pairs": _counts("pairs", spilled.num_read, quarantine)}
+    counts = {"products": record_counts("products", num_products_read, quarantine),
+              "pairs": record_counts("pairs", spilled.num_read, quarantine)}
     report.update(counts=counts, quarantine_file=str(quarantine_path), max_bad_fraction=cfg.max_bad_fraction)
     for kind, c in counts.items():
         log.info("%s: read %d, good %d, quarantined %d %s", kind, c["read"], c["good"], c["quarantined"], c["reasons"])
@@ -498,43 +459,43 @@ def validate_inputs(product_files: Sequence[Path], pair_files: Sequence[Path], c
     return products, spilled
 
 
-def tokenizer_and_schema(init_from: Path | None, cfg: DataConfig, products: Sequence[D.ProductRecord],
+def tokenizer_and_schema(init_from: Path | None, cfg: DataConfig, products: Sequence[record_validation.ProductRecord],
                          spilled: SpilledPairs, pretrained: Path | None = None, out: Path | None = None):
     """(tokenizer, its exact JSON bytes, schema, origin): reused unchanged from --init-from, taken from
     the --pretrained encoder, else learned from a bounded sample of the catalog and the training queries
     (holdout queries stay unseen)."""
     staged = stage_pretrained(pretrained, out, cfg.max_length, init_from) if out is not None else None
     if staged is not None:
-        return (*staged[:2], D.Schema.fit(products, spilled.labels), staged[2])
+        return (*staged[:2], feature_schema.Schema.fit(products, spilled.labels), staged[2])
     if init_from is not None:
         tokenizer_bytes, schema, origin = load_previous(init_from)
-        tokenizer = D.Tokenizer.from_str(tokenizer_bytes.decode("utf-8"))
+        tokenizer = Tokenizer.from_str(tokenizer_bytes.decode("utf-8"))
         log.info("reusing tokenizer and schema from %s", origin)
         # A model that started from BERT embeds BERT's vocabulary, not the preset's (train checks it).
         if tokenizer.get_vocab_size() > cfg.vocab_size and previous_staged(init_from) is None:
             raise BadConfigError(f"the reused tokenizer has {tokenizer.get_vocab_size()} tokens but this preset "
                                  f"embeds only {cfg.vocab_size}; use the previous run's --preset")
         return tokenizer, tokenizer_bytes, schema, origin
-    product_sample = D.TextSample(TOKENIZER_SAMPLE // 2)
+    product_sample = tokenization.TextSample(TOKENIZER_SAMPLE // 2)
     product_sample.update(p.text for p in products)
-    tokenizer = D.train_tokenizer(product_sample.texts() + spilled.query_sample, cfg.vocab_size)
-    schema = D.Schema.fit(products, spilled.labels)
+    tokenizer = tokenization.train_tokenizer(product_sample.texts() + spilled.query_sample, cfg.vocab_size)
+    schema = feature_schema.Schema.fit(products, spilled.labels)
     return tokenizer, tokenizer.to_str(pretty=True).encode("utf-8"), schema, "trained"
 
 
-def write_outputs(out: Path, tokenizer_bytes: bytes, schema: D.Schema, products: D.Products) -> None:
+def write_outputs(out: Path, tokenizer_bytes: bytes, schema: feature_schema.Schema, products: prepared_data.Products) -> None:
     """Write the tokenizer, schema and catalog (each atomically); the pairs are written by write_pairs."""
     atomic_write_bytes(out / "tokenizer.json", tokenizer_bytes)
     schema.save(out / "schema.json")
-    D.save_products(out / "products.parquet", products)
+    prepared_data.save_products(out / "products.parquet", products)
 
 
 OUTPUT_NAMES = ("tokenizer.json", "schema.json", "products.parquet", "train_pairs.parquet", "holdout_pairs.parquet",
-                *(D.product_array_path(Path(), name).name for name in D.PRODUCT_ARRAYS),
-                *(D.pair_array_path(Path(), side, name).name for side in ("train", "holdout") for name in D.PAIR_ARRAYS))
+                *(prepared_data.product_array_path(Path(), name).name for name in prepared_data.PRODUCT_ARRAYS),
+                *(prepared_data.pair_array_path(Path(), side, name).name for side in ("train", "holdout") for name in prepared_data.PAIR_ARRAYS))
 
 
-def summary(cfg: DataConfig, schema: D.Schema, products: D.Products, stats: PairStats) -> dict:
+def summary(cfg: DataConfig, schema: feature_schema.Schema, products: prepared_data.Products, stats: PairStats) -> dict:
     """The report's description of what was prepared."""
     distinct = {side: len(np.unique(np.concatenate(keys))) if keys else 0 for side, keys in stats.keys.items()}
     return {
@@ -548,24 +509,6 @@ def summary(cfg: DataConfig, schema: D.Schema, products: D.Products, stats: Pair
                           "queries": stats.at_max_length},
         "train_pairs_per_bucket": {str(b): stats.train_per_bucket[i] for i, b in enumerate(cfg.length_buckets)},
     }
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    preset = get_preset(args.preset)
-    if args.phase is not None:
-        from . import prepare_shards
-
-        report = prepare_shards.run_phase(args, preset)
-        if args.phase != "finish":  # the plan and the array children report through the finish
-            return 0
-    else:
-        report = prepare(args, preset)
-    # ---- tracking: this step as a child run of the pipeline's MLflow run (never fails the step).
-    # After prepare() returned, so its data is freed before tracking imports mlflow.
-    tracking.log_step("prepare", args.run_dir, params={"preset": report["preset"], "seed": report["seed"]},
-                      metrics=tracking.flatten(report), config={"data": report["data_config"]})
-    return 0
 
 
 def data_config(args: argparse.Namespace, preset) -> DataConfig:
@@ -587,12 +530,12 @@ def prepare(args: argparse.Namespace, preset) -> dict[str, Any]:
     (args.run_dir / PREPARE_REPORT).unlink(missing_ok=True)  # invalidate first: a crash below leaves no "ok" marker
 
     product_files, pair_files = resolve_inputs(args, args.run_dir, args.seed)
-    inputs = {"products": _input_checksums(product_files), "pairs": _input_checksums(pair_files)}
+    inputs = {"products": input_checksums(product_files), "pairs": input_checksums(pair_files)}
     if args.data is not None:
         upload_readiness.check_checksums(args.data, {i["path"]: i["sha256"] for kind in inputs.values() for i in kind})
     report: dict[str, Any] = {
         "status": "failed", "preset": preset.name, "seed": args.seed, "data_config": to_dict(cfg), "inputs": inputs,
-        "input_sha256": _sha256_bytes(json.dumps(inputs, sort_keys=True).encode()),
+        "input_sha256": sha256_bytes(json.dumps(inputs, sort_keys=True).encode()),
         "init_from": str(args.init_from) if args.init_from else None,
     }
     try:
@@ -611,7 +554,7 @@ def prepare(args: argparse.Namespace, preset) -> dict[str, Any]:
         log.warning("the holdout is empty (too few distinct queries); validation will have nothing to score")
     report.update(summary(cfg, schema, products, stats))
     report.update(status="ok", outputs={name: sha256_file(out / name) for name in OUTPUT_NAMES},
-                  tokenizer={"source": origin, "sha256": _sha256_bytes(tokenizer_bytes),
+                  tokenizer={"source": origin, "sha256": sha256_bytes(tokenizer_bytes),
                              "vocab_size": tokenizer.get_vocab_size()},
                   schema_coverage=schema_coverage(schema, product_records, products),
                   elapsed_s=round(time.time() - started, 3))

@@ -1,0 +1,320 @@
+"""The tokenizer (trained on the catalog, or a pretrained BERT's), texts to token rows (cached and
+word-at-a-time encoders), and the holdout split by query key."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import unicodedata
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+from .errors import BadInputError
+
+log = logging.getLogger("pipeline_steps.data")  # one logger for the data layer
+
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+def _continuing_subword_tokens(tokenizer: Tokenizer, texts: Sequence[str], chunk: int = 10_000) -> list[str]:
+    """"##c" for every character of the normalised `texts` that can occur inside a word, sorted:
+    all but whitespace and punctuation, where the BERT pre-tokenizer splits (a character seen only
+    at word starts adds an unused token, which is harmless)."""
+    chars: set[str] = set()
+    for start in range(0, len(texts), chunk):  # normalisation works per character: join a chunk
+        chars.update(tokenizer.normalizer.normalize_str("\n".join(texts[start:start + chunk])))
+    inside = (c for c in chars if not c.isspace() and not unicodedata.category(c).startswith("P"))
+    return ["##" + c for c in sorted(inside)]
+
+
+def train_tokenizer(texts: Sequence[str], vocab_size: int) -> Tokenizer:
+    """A BERT-style WordPiece tokenizer trained on `texts`: NFD + lowercase + strip accents,
+    whitespace/punctuation pre-tokenisation, [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4, and every
+    encoding wrapped as [CLS] ... [SEP] (queries and products alike). Deterministic for `texts`."""
+    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.NFD(), normalizers.Lowercase(),
+                                                 normalizers.StripAccents()])
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    # The trainer numbers the "##c" tokens in hash-map order and breaks ties between equally
+    # frequent merges by those numbers, so the same text gives a different vocabulary on every run
+    # (huggingface/tokenizers#1794). Declaring them up front, sorted, fixes their ids; they are
+    # removed from the special (never-split) tokens afterwards and stay ordinary vocabulary.
+    seeded = _continuing_subword_tokens(tokenizer, texts)
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS) + seeded,
+                                        show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    spec = json.loads(tokenizer.to_str())
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] in SPECIAL_TOKENS]
+    tokenizer = Tokenizer.from_str(json.dumps(spec))
+    ids = [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
+    assert ids == list(range(len(SPECIAL_TOKENS))), f"special token ids {ids}"
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", ids[2]), ("[SEP]", ids[3])])
+    tokenizer.decoder = decoders.WordPiece()
+    return tokenizer
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    path = Path(path)
+    if not path.is_file():
+        raise BadInputError(f"tokenizer {path} not found; run `python -m pipeline_steps prepare` for this run dir")
+    return Tokenizer.from_file(str(path))
+
+
+ENCODE_CHUNK = 8192
+"""Distinct texts encoded per call: the tokenizer's Encoding objects (ids, tokens, masks) cost
+~100x the int32 row they become, so encoding a whole catalog at once peaks at gigabytes."""
+
+
+def distinct_texts(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> tuple[list[str], np.ndarray]:
+    """(the distinct texts in order of first appearance, int64 [n]: each text's index in them),
+    by Arrow's hash table instead of a Python dict."""
+    array = texts if isinstance(texts, (pa.Array, pa.ChunkedArray)) else pa.array(texts, pa.string())
+    if isinstance(array, pa.ChunkedArray):
+        array = array.combine_chunks()
+    encoded = pc.dictionary_encode(array)
+    return encoded.dictionary.to_pylist(), encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+ENCODE_CACHE_TEXTS = 1 << 18
+"""Distinct texts a TextEncoder remembers (their rows: 32 MB at 32 tokens). Queries repeat
+across the chunks of a click log: each is encoded once, not once per chunk."""
+
+
+class TextEncoder:
+    """`encode_texts` that remembers the rows of up to `capacity` texts across calls (the first
+    ones seen; a text's row does not depend on the call, so the result is the same)."""
+
+    def __init__(self, tokenizer: Tokenizer, max_length: int, capacity: int = ENCODE_CACHE_TEXTS):
+        # A private copy: truncation is tokenizer state and the caller's object stays untouched.
+        self._tok = Tokenizer.from_str(tokenizer.to_str())
+        self._tok.enable_truncation(max_length=max_length)
+        self._tok.no_padding()  # padding here is cheaper than turning 0s into Python ints and back
+        self._words = WordEncoder.of(tokenizer, max_length)
+        self.max_length, self.capacity = max_length, capacity
+        self._row: dict[str, int] = {}
+        self._ids = np.zeros((0, max_length), dtype=np.int32)
+        self._lengths = np.zeros(0, dtype=np.int32)
+
+    def __call__(self, texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+        """(token_ids int32 [n, max_length], lengths int32 [n] = real tokens incl. specials)."""
+        # Each distinct text is encoded once: queries repeat across the pairs of a click log.
+        distinct, inverse = distinct_texts(texts)
+        known = np.fromiter((self._row.get(t, -1) for t in distinct), dtype=np.int64, count=len(distinct))
+        missing = np.flatnonzero(known < 0)
+        new_ids, new_lengths = self._encode([distinct[i] for i in missing])
+        ids = np.empty((len(distinct), self.max_length), dtype=np.int32)
+        lengths = np.empty(len(distinct), dtype=np.int32)
+        cached = np.flatnonzero(known >= 0)
+        ids[cached], lengths[cached] = self._ids[known[cached]], self._lengths[known[cached]]
+        ids[missing], lengths[missing] = new_ids, new_lengths
+        self._remember([distinct[i] for i in missing], new_ids, new_lengths)
+        return ids[inverse], lengths[inverse]
+
+    def _remember(self, texts: list[str], ids: np.ndarray, lengths: np.ndarray) -> None:
+        room = min(len(texts), self.capacity - len(self._row))
+        if room <= 0:
+            return
+        start = len(self._row)
+        self._row.update(zip(texts[:room], range(start, start + room)))
+        self._ids = np.concatenate([self._ids, ids[:room]])
+        self._lengths = np.concatenate([self._lengths, lengths[:room]])
+
+    def _encode(self, distinct: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        if self._words is not None:
+            return self._words(distinct)
+        return _encode_rows(self._tok, distinct, self.max_length)
+
+
+def _encode_rows(tok: Tokenizer, texts: Sequence[str], width: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int32 [n, width] 0-padded, lengths int32 [n]) of `texts` as `tok` encodes them (its
+    truncation included), ENCODE_CHUNK texts per call."""
+    ids = np.zeros((len(texts), width), dtype=np.int32)
+    lengths = np.zeros(len(texts), dtype=np.int32)
+    for start in range(0, len(texts), ENCODE_CHUNK):
+        encodings = tok.encode_batch_fast(texts[start:start + ENCODE_CHUNK])  # no character offsets
+        id_lists = [e.ids for e in encodings]  # each .ids builds a new Python list: once per encoding
+        chunk_lengths = np.fromiter(map(len, id_lists), dtype=np.int32, count=len(id_lists))
+        flat = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int32, count=int(chunk_lengths.sum()))
+        rows = np.repeat(np.arange(start, start + len(encodings)), chunk_lengths)
+        cols = np.arange(len(flat)) - np.repeat(np.cumsum(chunk_lengths) - chunk_lengths, chunk_lengths)
+        ids[rows, cols] = flat
+        lengths[start:start + len(encodings)] = chunk_lengths
+    return ids, lengths
+
+
+WORD_CHUNK_CHARS = 1 << 21
+"""Characters of text split into words at a time (bounds the word arrays: ~20 bytes per word)."""
+_SPACE_SAFE_NORMALIZERS = frozenset({"NFD", "Lowercase", "StripAccents", "BertNormalizer"})
+"""Normalizers that map each character on its own (NFD reorders only combining marks, which a
+space separates), so a space stays a space and nothing crosses it."""
+
+
+class WordEncoder:
+    """`encode_texts` by words: the tokens of a text are the tokens of its space-separated words
+    in order, so each distinct word is tokenised once and the rows are assembled with numpy. Exact
+    for the tokenizers `of` accepts: every stage treats a space as a boundary (normalizers that
+    map characters one by one, the BERT pre-tokenizer that splits at whitespace, WordPiece per
+    word, added tokens without spaces or stripping), and the post-processor wraps a text in one
+    token before and one after ([CLS] ... [SEP]). Product texts are built from a few templates and
+    a small vocabulary, so this tokenises thousands of distinct words instead of every text."""
+
+    def __init__(self, inner: Tokenizer, max_length: int, first: int, last: int):
+        self._inner, self.max_length, self.first, self.last = inner, max_length, first, last
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer, max_length: int) -> WordEncoder | None:
+        """The word encoder of `tokenizer`, None when its output could differ from encoding whole texts."""
+        spec = json.loads(tokenizer.to_str())
+        normalizer = spec.get("normalizer") or {"type": "Sequence", "normalizers": []}
+        steps = normalizer.get("normalizers", []) if normalizer["type"] == "Sequence" else [normalizer]
+        post = spec.get("post_processor") or {}
+        single = post.get("single", [])
+        if (max_length <= 2 or any(step.get("type") not in _SPACE_SAFE_NORMALIZERS for step in steps)
+                or (spec.get("pre_tokenizer") or {}).get("type") != "BertPreTokenizer"
+                or spec["model"].get("type") != "WordPiece"
+                or any(t["lstrip"] or t["rstrip"] or t["single_word"] or any(c.isspace() for c in t["content"])
+                       for t in spec.get("added_tokens", []))
+                or post.get("type") != "TemplateProcessing"
+                or [next(iter(part)) for part in single] != ["SpecialToken", "Sequence", "SpecialToken"]):
+            return None
+        first, last = (post["special_tokens"][single[k]["SpecialToken"]["id"]]["ids"] for k in (0, 2))
+        if len(first) != 1 or len(last) != 1:
+            return None
+        # The words' own tokens, without [CLS]/[SEP], cut at the room a text leaves for them.
+        spec.update(post_processor=None, truncation=None, padding=None)
+        inner = Tokenizer.from_str(json.dumps(spec))
+        inner.enable_truncation(max_length=max_length - 2)
+        inner.no_padding()
+        return cls(inner, max_length, first[0], last[0])
+
+    def __call__(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(token_ids int32 [n, max_length], lengths int32 [n]), as encode_texts."""
+        ids = np.zeros((len(texts), self.max_length), dtype=np.int32)
+        lengths = np.zeros(len(texts), dtype=np.int32)
+        ends = np.cumsum(np.fromiter(map(len, texts), dtype=np.int64, count=len(texts)) + 1)
+        start = 0
+        while start < len(texts):
+            # At least one text per chunk; then as many as fit in WORD_CHUNK_CHARS.
+            before = ends[start - 1] if start else 0
+            stop = max(start + 1, int(np.searchsorted(ends, before + WORD_CHUNK_CHARS, side="right")))
+            self._fill(texts[start:stop], ids[start:stop], lengths[start:stop])
+            start = stop
+        return ids, lengths
+
+    def _fill(self, texts: Sequence[str], ids: np.ndarray, lengths: np.ndarray) -> None:
+        room = self.max_length - 2
+        words = pc.split_pattern(pa.array(texts, pa.string()), " ")  # "" -> [""]: every text has a word
+        per_text = pc.list_value_length(words).to_numpy(zero_copy_only=False).astype(np.int64)
+        distinct, word = distinct_texts(words.flatten())
+        word_ids, word_lengths = _encode_rows(self._inner, distinct, room)
+        # One entry per word occurrence, then one per token: where each token lands in its text.
+        occurrence_tokens = word_lengths[word].astype(np.int64)
+        text_of = np.repeat(np.arange(len(texts)), per_text)
+        ends = np.cumsum(occurrence_tokens)
+        starts = ends - occurrence_tokens
+        first_occurrence = np.cumsum(per_text) - per_text
+        text_start = starts[first_occurrence]
+        position = starts - text_start[text_of]  # of the occurrence's first token in its text
+        token_of = np.repeat(np.arange(len(word)), occurrence_tokens)
+        within = np.arange(len(token_of)) - starts[token_of]
+        column = position[token_of] + within
+        keep = column < room
+        token_of, within, column = token_of[keep], within[keep], column[keep]
+        ids[text_of[token_of], column + 1] = word_ids[word[token_of], within]
+        lengths[:] = np.minimum(ends[first_occurrence + per_text - 1] - text_start, room) + 2
+        ids[:, 0] = self.first
+        ids[np.arange(len(texts)), lengths - 1] = self.last
+
+
+def encode_texts(tokenizer: Tokenizer, texts: Sequence[str], max_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Encode `texts` as [CLS] ... [SEP], truncated (keeping [SEP]) and padded with 0 to `max_length`.
+    Returns (token_ids int32 [n, max_length], lengths int32 [n] = real tokens incl. specials)."""
+    return TextEncoder(tokenizer, max_length, capacity=0)(texts)
+
+
+def normalise_query(text: str) -> str:
+    """The form two queries must share to count as the same query: NFKD, accents dropped,
+    lowercase, single spaces."""
+    if text.isascii():  # nothing to decompose or drop: the common case, 5x faster
+        return " ".join(text.lower().split())
+    decomposed = unicodedata.normalize("NFKD", text)
+    stripped = "".join(c for c in decomposed if not unicodedata.combining(c))
+    return " ".join(stripped.lower().split())
+
+
+def query_keys(queries: Sequence[str], seed: int, cache: dict[str, int] | None = None) -> np.ndarray:
+    """uint64 [n]: a hash of (seed, normalised query): equal for the same query, whatever its case,
+    accents or spacing. It decides the holdout split and counts distinct queries. `cache`: the keys
+    of queries seen in earlier calls with the same seed (filled here, and emptied once it holds
+    ENCODE_CACHE_TEXTS queries, so its memory stays bounded), when the caller keeps one."""
+    distinct, inverse = distinct_texts(queries)  # a query repeats across many pairs (clicks, purchases)
+    cache = {} if cache is None else cache
+    if len(cache) > ENCODE_CACHE_TEXTS:
+        cache.clear()
+    prefix = f"{seed}\x00"
+
+    def key(query: str) -> int:
+        found = cache.get(query)
+        if found is None:
+            digest = hashlib.blake2b((prefix + normalise_query(query)).encode("utf-8"), digest_size=8).digest()
+            found = cache[query] = int.from_bytes(digest, "big")
+        return found
+
+    return np.fromiter(map(key, distinct), dtype=np.uint64, count=len(distinct))[inverse]
+
+
+def holdout_threshold(fraction: float) -> np.uint64:
+    return np.uint64(int(fraction * 2**64))
+
+
+def holdout_mask(queries: Sequence[str], fraction: float, seed: int) -> np.ndarray:
+    """bool [n]: True for pairs whose query is held out. Decided by a hash of (seed, normalised
+    query), so every pair of one query lands on the same side, and a query keeps its side in the
+    next data version (incremental runs are validated on queries they never trained on)."""
+    return query_keys(queries, seed) < holdout_threshold(fraction)
+
+
+class TextSample:
+    """At most `size` distinct texts: those with the smallest hashes. The same sample whatever the
+    order the texts arrive in or how the input is sharded, in bounded memory."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._hashes = np.zeros(0, dtype=np.uint64)  # of the kept texts, in the order of _texts
+        self._texts = np.empty(0, dtype=object)
+        self._kept: set[str] = set()
+
+    def update(self, texts: Iterable[str]) -> None:
+        new = list(set(texts) - self._kept)
+        hashes = np.fromiter((int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big")
+                              for text in new), dtype=np.uint64, count=len(new))
+        if len(self._hashes) >= self.size:  # only a hash below the largest kept one can enter
+            below = np.flatnonzero(hashes < self._hashes.max())
+            new, hashes = [new[i] for i in below], hashes[below]
+        if not new:
+            return
+        # The `size` smallest of the kept and the new hashes, found by numpy; the kept texts stay
+        # in arrays, so an update costs the new texts, not a rebuild of the whole sample in Python.
+        every = np.concatenate([self._hashes, hashes])
+        texts = np.concatenate([self._texts, np.array(new, dtype=object)])
+        if len(every) > self.size:
+            keep = np.argpartition(every, self.size - 1)[:self.size]
+            every, texts = every[keep], texts[keep]
+            self._kept = set(texts.tolist())
+        else:
+            self._kept.update(new)
+        self._hashes, self._texts = every, texts
+
+    def texts(self) -> list[str]:
+        """The sample, in hash order (deterministic)."""
+        ordered = sorted(zip([-h for h in self._hashes.tolist()], self._texts.tolist()), reverse=True)
+        return [text for _, text in ordered]
