@@ -602,7 +602,7 @@ def bench_prepare_sharded(work: Path, upload_dir: Path, single_run_dir: Path, pr
 
 _RANK_PROBE = """
 import sys
-from pipeline_steps import distributed as dist_lib
+from pipeline_steps import distributed as dist_lib, prepared_data, static_batches
 
 def status(key):
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key + ":"))

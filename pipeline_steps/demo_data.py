@@ -240,7 +240,7 @@ def generate_pairs(products: list[dict], queries_per_product: int, seed: int) ->
 
 
 def generate(num_products: int, queries_per_product: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
-    """(product records, pair records) in the input schema of `pipeline_steps.data`."""
+    """(product records, pair records) in the input schema of `pipeline_steps.record_validation`."""
     products = generate_products(num_products, seed)
     pairs = generate_pairs(products, queries_per_product, seed)
     public = [{k: v for k, v in p.items() if not k.startswith("_")} for p in products]
