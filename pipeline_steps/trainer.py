@@ -1,6 +1,6 @@
 """The trainer: model, optimizer, schedule and data of one run, its training step and its loop.
 
-The `train` step (pipeline_steps/train.py has the commands) builds a `Trainer` and calls
+The `train` step (pipeline_steps/steps/train.py has the commands) builds a `Trainer` and calls
 `run_training`; `compile` and benchmarks/bench.py drive the same trainer. Its XLA discipline (static
 shapes, one graph per step, no host read inside it) is docs/training.md, "Static shapes, measured".
 """

@@ -22,7 +22,7 @@ from pathlib import Path
 
 RECORD_ENV = "E2E_STANDIN_RECORD"
 TOOLS = ("neuron_parallel_compile", "neuron-ls", "fi_info", "nccom-test")
-# (Neuron devices, NeuronCores, EFA interfaces) per instance type, as pipeline_steps/sanity.py expects.
+# (Neuron devices, NeuronCores, EFA interfaces) per instance type, as the sanity step (pipeline_steps/host_checks.py) expects.
 HOSTS = {"trn1.32xlarge": (16, 32, 8), "trn1n.32xlarge": (16, 32, 16), "trn1.2xlarge": (1, 2, 0)}
 
 
