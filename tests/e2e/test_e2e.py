@@ -25,9 +25,9 @@ from pipeline_contract import (
     run_path,
 )
 from pipeline_steps.checkpoint import load
+from scripts.stage_synth import SNAPSHOT_DIR
 from tests.e2e.conftest import DATASET, KILLED_NODE
 from tests.e2e.local_batch import JobDefinitionSpec, local_path, substitute
-from tests.e2e.stage import INFRA_TESTS
 from tests.e2e.substitutions import never_runs_here
 
 pytestmark = pytest.mark.slow
@@ -213,7 +213,7 @@ def production_job_definitions() -> dict[str, tuple[str, set[str]]]:
     """The prod stage's job definitions as deployed (its committed snapshot, which
     tests/infra/test_snapshots.py keeps equal to the synthesis): construct id -> (step command,
     every flag and environment variable)."""
-    (path,) = (INFRA_TESTS / "snapshots").glob("*-prod-Compute.json")
+    (path,) = SNAPSHOT_DIR.glob("*-prod-Compute.json")
     out = {}
     for logical_id, resource in json.loads(path.read_text())["Resources"].items():
         if resource["Type"] == "AWS::Batch::JobDefinition":
