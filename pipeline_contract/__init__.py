@@ -38,9 +38,7 @@ from pipeline_contract.environment import (  # noqa: F401
     TRAINING_IMAGE_DIGEST_ENV,
     TRAINING_IMAGE_URI_ENV,
 )
-from pipeline_contract.exit_codes import (  # noqa: F401
-    ExitCode,
-)
+from pipeline_contract.exit_codes import ExitCode  # noqa: F401
 from pipeline_contract.instances import (  # noqa: F401
     DEFAULT_SINGLE_NODE_INSTANCE_TYPE,
     DEFAULT_TRAINING_INSTANCE_TYPE,

@@ -32,15 +32,30 @@ class InstanceSpec:
 INSTANCE_TYPES: Mapping[str, InstanceSpec] = MappingProxyType(
     {
         "trn1.32xlarge": InstanceSpec(
-            name="trn1.32xlarge", vcpus=128, memory_gib=512, neuron_devices=16, neuron_cores=32, efa_interfaces=8,
+            name="trn1.32xlarge",
+            vcpus=128,
+            memory_gib=512,
+            neuron_devices=16,
+            neuron_cores=32,
+            efa_interfaces=8,
             compiler_target="trn1",
         ),
         "trn1n.32xlarge": InstanceSpec(
-            name="trn1n.32xlarge", vcpus=128, memory_gib=512, neuron_devices=16, neuron_cores=32, efa_interfaces=16,
+            name="trn1n.32xlarge",
+            vcpus=128,
+            memory_gib=512,
+            neuron_devices=16,
+            neuron_cores=32,
+            efa_interfaces=16,
             compiler_target="trn1n",
         ),
         "trn1.2xlarge": InstanceSpec(
-            name="trn1.2xlarge", vcpus=8, memory_gib=32, neuron_devices=1, neuron_cores=2, efa_interfaces=0,
+            name="trn1.2xlarge",
+            vcpus=8,
+            memory_gib=32,
+            neuron_devices=1,
+            neuron_cores=2,
+            efa_interfaces=0,
             compiler_target="trn1",
         ),
     }
@@ -121,8 +136,10 @@ def ami_driver_problem(image_name: str, sdk: NeuronSdk = NEURON_SDK) -> str | No
     if built is None:
         return f"{image_name!r} has no build date in its name: cannot tell its Neuron driver"
     if built < sdk.driver_released:
-        return (f"{image_name} was built {built}, before Neuron driver {sdk.driver} ({sdk.driver_released}) that "
-                f"the training image (Neuron SDK {sdk.release}) needs; pin a newer AMI")
+        return (
+            f"{image_name} was built {built}, before Neuron driver {sdk.driver} ({sdk.driver_released}) that "
+            f"the training image (Neuron SDK {sdk.release}) needs; pin a newer AMI"
+        )
     return None
 
 

@@ -116,8 +116,20 @@ def training_arguments(training: TrainingSettings) -> list[str]:
 
 def _prepare_plan(training: TrainingSettings) -> list[str]:
     # Tokenizes for the stage's training preset (vocabulary, length buckets): the preset Compile and Train run.
-    return ["--phase", "plan", "--run-dir", RUN_DIR, "--data", "Ref::data_uri", "--preset", training.preset,
-            "--init-from", "Ref::init_from", "--upload-timeout", str(PREPARE_UPLOAD_TIMEOUT_S)]
+    return [
+        "--phase",
+        "plan",
+        "--run-dir",
+        RUN_DIR,
+        "--data",
+        "Ref::data_uri",
+        "--preset",
+        training.preset,
+        "--init-from",
+        "Ref::init_from",
+        "--upload-timeout",
+        str(PREPARE_UPLOAD_TIMEOUT_S),
+    ]
 
 
 def _fixed(*arguments: str) -> Callable[[TrainingSettings], list[str]]:
@@ -131,53 +143,99 @@ _NODE_CHECKS = ("--fsx-path", FSX_MOUNT_POINT)
 PIPELINE_STEPS: tuple[PipelineStep, ...] = (
     # Prepare runs as three jobs: the plan reads the flags (catalog, tokenizer, units of the pairs),
     # the array children tokenise one shard each, the finish counts and writes the outputs.
-    PipelineStep(name="prepare", launcher=Launcher.SINGLE_NODE, arguments=_prepare_plan,
-                 parameters={"init_from": ""}),
-    PipelineStep(name="prepare-shards", launcher=Launcher.ARRAY, command="prepare",
-                 arguments=_fixed("--phase", "shard", *_SHARDS), parameters={"shard_count": ""},
-                 array_size_field=run_input.PREPARE_SHARDS),
+    PipelineStep(name="prepare", launcher=Launcher.SINGLE_NODE, arguments=_prepare_plan, parameters={"init_from": ""}),
+    PipelineStep(
+        name="prepare-shards",
+        launcher=Launcher.ARRAY,
+        command="prepare",
+        arguments=_fixed("--phase", "shard", *_SHARDS),
+        parameters={"shard_count": ""},
+        array_size_field=run_input.PREPARE_SHARDS,
+    ),
     # Not an array, but its error names the shards to rerun, so it gets the count too.
-    PipelineStep(name="prepare-finish", launcher=Launcher.SINGLE_NODE, command="prepare",
-                 arguments=_fixed("--phase", "finish", *_SHARDS), parameters={"shard_count": ""},
-                 array_size_field=run_input.PREPARE_SHARDS),
+    PipelineStep(
+        name="prepare-finish",
+        launcher=Launcher.SINGLE_NODE,
+        command="prepare",
+        arguments=_fixed("--phase", "finish", *_SHARDS),
+        parameters={"shard_count": ""},
+        array_size_field=run_input.PREPARE_SHARDS,
+    ),
     PipelineStep(name="sanity", launcher=Launcher.MULTI_NODE, arguments=_fixed("--run-dir", RUN_DIR, *_NODE_CHECKS)),
-    PipelineStep(name="compile", launcher=Launcher.MULTI_NODE, arguments=training_arguments,
-                 parameters={"init_from": ""}, attempt_timeout=AttemptTimeout.COMPILE),
-    PipelineStep(name="train", launcher=Launcher.MULTI_NODE,
-                 arguments=lambda training: [*training_arguments(training), "--max-steps", "Ref::max_steps"],
-                 parameters={"init_from": "", "max_steps": ""}, attempt_timeout=AttemptTimeout.TRAIN),
+    PipelineStep(
+        name="compile",
+        launcher=Launcher.MULTI_NODE,
+        arguments=training_arguments,
+        parameters={"init_from": ""},
+        attempt_timeout=AttemptTimeout.COMPILE,
+    ),
+    PipelineStep(
+        name="train",
+        launcher=Launcher.MULTI_NODE,
+        arguments=lambda training: [*training_arguments(training), "--max-steps", "Ref::max_steps"],
+        parameters={"init_from": "", "max_steps": ""},
+        attempt_timeout=AttemptTimeout.TRAIN,
+    ),
     # --gate-report-only: exit 0 on a failed gate (the decision is data for the state machine's
     # Choice); the step uploads gate.json to gate_s3_uri itself, as the FSx auto-export to S3 is asynchronous.
-    PipelineStep(name="validate", launcher=Launcher.SINGLE_NODE,
-                 arguments=_fixed("--run-dir", RUN_DIR, "--previous-metrics", "Ref::previous_metrics",
-                                  "--gate-report-only", "--gate-s3-uri", "Ref::gate_s3_uri"),
-                 parameters={"previous_metrics": "", "gate_s3_uri": ""},
-                 run_parameters=("gate_s3_uri", run_input.PREVIOUS_METRICS)),
+    PipelineStep(
+        name="validate",
+        launcher=Launcher.SINGLE_NODE,
+        arguments=_fixed(
+            "--run-dir",
+            RUN_DIR,
+            "--previous-metrics",
+            "Ref::previous_metrics",
+            "--gate-report-only",
+            "--gate-s3-uri",
+            "Ref::gate_s3_uri",
+        ),
+        parameters={"previous_metrics": "", "gate_s3_uri": ""},
+        run_parameters=("gate_s3_uri", run_input.PREVIOUS_METRICS),
+    ),
     # The shard index comes from AWS_BATCH_JOB_ARRAY_INDEX (Batch sets it on every child), the count
     # from the `shard_count` parameter: Batch sets no AWS_BATCH_JOB_ARRAY_SIZE and rejects AWS_BATCH*
     # environment overrides. Default "": the flag is dropped, and an array child without a count
     # fails with exit 78 instead of embedding the wrong slice.
-    PipelineStep(name="embed", launcher=Launcher.ARRAY,
-                 arguments=_fixed("--run-dir", RUN_DIR, "--checkpoint", "Ref::checkpoint", "--shard-count",
-                                  "Ref::shard_count"),
-                 parameters={"checkpoint": "", "shard_count": ""}, array_size_field=run_input.EMBED_SHARDS,
-                 after_gate=True),
+    PipelineStep(
+        name="embed",
+        launcher=Launcher.ARRAY,
+        arguments=_fixed("--run-dir", RUN_DIR, "--checkpoint", "Ref::checkpoint", "--shard-count", "Ref::shard_count"),
+        parameters={"checkpoint": "", "shard_count": ""},
+        array_size_field=run_input.EMBED_SHARDS,
+        after_gate=True,
+    ),
     # The published model in the sentence-transformers format, uploaded by the step itself to
     # export_s3_uri (files first, the upload marker last) because the FSx auto-export to S3 is
     # asynchronous: the pointer written after this job names an export that is complete in S3.
     # --run-dir: the last Batch job of a run that passed the gate closes the run's MLflow run.
-    PipelineStep(name="export", launcher=Launcher.SINGLE_NODE,
-                 arguments=_fixed("--run-dir", RUN_DIR, "--checkpoint", RUN_DIR, "--out", f"{RUN_DIR}/{EXPORT_DIR}",
-                                  "--s3-uri", "Ref::export_s3_uri"),
-                 parameters={"export_s3_uri": ""}, run_parameters=("export_s3_uri",)),
+    PipelineStep(
+        name="export",
+        launcher=Launcher.SINGLE_NODE,
+        arguments=_fixed(
+            "--run-dir",
+            RUN_DIR,
+            "--checkpoint",
+            RUN_DIR,
+            "--out",
+            f"{RUN_DIR}/{EXPORT_DIR}",
+            "--s3-uri",
+            "Ref::export_s3_uri",
+        ),
+        parameters={"export_s3_uri": ""},
+        run_parameters=("export_s3_uri",),
+    ),
 )
 """In pipeline order: each state leads to the next one (through the quality gate to an `after_gate`
 one); the last leads to publishing the model."""
 
 CANARY = PipelineStep(
-    name="canary", launcher=Launcher.SINGLE_NODE, command="sanity",
+    name="canary",
+    launcher=Launcher.SINGLE_NODE,
+    command="sanity",
     arguments=_fixed("--run-dir", f"{FSX_CANARY}/Ref::{RUN_ID_PARAMETER}", *_NODE_CHECKS),
-    parameters={RUN_ID_PARAMETER: "latest"})
+    parameters={RUN_ID_PARAMETER: "latest"},
+)
 """The scheduled sanity canary: node-local checks on the single-node instance type, outside the
 exported runs directory; a job definition, not a pipeline state."""
 

@@ -20,26 +20,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from pipeline_contract import (
-    CHECKPOINTS_DIR,
-    DEFAULT_PROJECT,
-    FSX_DATA,
-    run_path,
-)
+from pipeline_contract import CHECKPOINTS_DIR, DEFAULT_PROJECT, FSX_DATA, run_path
 from pipeline_steps import cost as cost_lib
 from pipeline_steps.cli_common import autocomplete, version_line
 
 from . import runs
-from .commands import (
-    cmd_buckets,
-    cmd_cost,
-    cmd_logs,
-    cmd_runs,
-    cmd_start,
-    cmd_status,
-    cmd_stop,
-    cmd_why,
-)
+from .commands import cmd_buckets, cmd_cost, cmd_logs, cmd_runs, cmd_start, cmd_status, cmd_stop, cmd_why
 from .context import Context
 from .errors import CredentialsError, OpsError
 from .rendering import (

@@ -26,13 +26,7 @@ from . import runs
 from .context import Context
 from .errors import ConflictError, NotFoundError, UsageError
 from .rendering import log_line, print_log_header
-from .run_reader import (
-    describe_execution,
-    describe_jobs,
-    execution_history,
-    latest_run,
-    run_summary,
-)
+from .run_reader import describe_execution, describe_jobs, execution_history, latest_run, run_summary
 
 
 def _data_input(uri: str, data_bucket: Callable[[], str], paths: TeamPaths) -> dict[str, str]:

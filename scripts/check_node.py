@@ -17,8 +17,10 @@ import sys
 
 MIN_MAJOR = 20  # jsii still runs on 20 (with an end-of-life banner the Makefile silences)
 SUPPORTED_MAJOR = 22  # the oldest Node.js release jsii supports today
-FIX = (f"install Node.js {MIN_MAJOR} or later (an LTS release, https://nodejs.org/en/download, "
-       "or your package manager, e.g. `sudo apt-get install nodejs`), then rerun")
+FIX = (
+    f"install Node.js {MIN_MAJOR} or later (an LTS release, https://nodejs.org/en/download, "
+    "or your package manager, e.g. `sudo apt-get install nodejs`), then rerun"
+)
 
 
 def node_problem(node: str | None) -> str | None:

@@ -37,9 +37,12 @@ _MISSING = object()
 
 # Resource policies next to identity policies: (type, property holding the document(s)).
 _POLICY_DOCUMENTS = {
-    "AWS::IAM::Policy": "PolicyDocument", "AWS::IAM::ManagedPolicy": "PolicyDocument",
-    "AWS::S3::BucketPolicy": "PolicyDocument", "AWS::SNS::TopicPolicy": "PolicyDocument",
-    "AWS::SQS::QueuePolicy": "PolicyDocument", "AWS::KMS::Key": "KeyPolicy",
+    "AWS::IAM::Policy": "PolicyDocument",
+    "AWS::IAM::ManagedPolicy": "PolicyDocument",
+    "AWS::S3::BucketPolicy": "PolicyDocument",
+    "AWS::SNS::TopicPolicy": "PolicyDocument",
+    "AWS::SQS::QueuePolicy": "PolicyDocument",
+    "AWS::KMS::Key": "KeyPolicy",
     "AWS::Logs::ResourcePolicy": "PolicyDocument",
 }
 
@@ -52,7 +55,7 @@ def render(value: Any) -> str:
     if isinstance(value, list):
         return ", ".join(render(v) for v in value)
     if isinstance(value, dict) and len(value) == 1:
-        (key, arg), = value.items()
+        ((key, arg),) = value.items()
         if key == "Ref":
             return "${" + str(arg) + "}"
         if key == "Fn::GetAtt":
@@ -100,10 +103,16 @@ def iam_rows(template: dict[str, Any]) -> set[tuple[str, ...]]:
         for owner, document in _statements(logical_id, resource):
             statements = document.get("Statement", [])
             for st in statements if isinstance(statements, list) else [statements]:
-                rows.add((owner, st.get("Effect", ""), render(st.get("Action", st.get("NotAction", ""))),
-                          render(st.get("Resource", st.get("NotResource", "")) or ""),
-                          render(st.get("Principal", "")) if "Principal" in st else "",
-                          render(st["Condition"]) if "Condition" in st else ""))
+                rows.add(
+                    (
+                        owner,
+                        st.get("Effect", ""),
+                        render(st.get("Action", st.get("NotAction", ""))),
+                        render(st.get("Resource", st.get("NotResource", "")) or ""),
+                        render(st.get("Principal", "")) if "Principal" in st else "",
+                        render(st["Condition"]) if "Condition" in st else "",
+                    )
+                )
         if resource["Type"] == "AWS::IAM::Role":
             for arn in resource.get("Properties", {}).get("ManagedPolicyArns", []):
                 rows.add((logical_id, "managed policy", render(arn), "", "", ""))
@@ -112,8 +121,14 @@ def iam_rows(template: dict[str, Any]) -> set[tuple[str, ...]]:
 
 # ---- security groups --------------------------------------------------------------------------------
 SG_HEADERS = ("", "group", "direction", "protocol / ports", "peer")
-_PEERS = ("CidrIp", "CidrIpv6", "SourceSecurityGroupId", "DestinationSecurityGroupId", "SourcePrefixListId",
-          "DestinationPrefixListId")
+_PEERS = (
+    "CidrIp",
+    "CidrIpv6",
+    "SourceSecurityGroupId",
+    "DestinationSecurityGroupId",
+    "SourcePrefixListId",
+    "DestinationPrefixListId",
+)
 
 
 def _rule(group: str, direction: str, rule: dict[str, Any]) -> tuple[str, ...]:
@@ -203,8 +218,11 @@ def replacements(stack: str, old: dict[str, Any], new: dict[str, Any]) -> list[R
         after, kind, retained = new_res.get(logical_id), before["Type"], _retained(before)
         if after is None:
             if retained:  # a removal of anything else shows in the resource diff; this one loses data
-                out.append(Replacement(stack, logical_id, kind, "removed",
-                                       "gone from the template (renamed construct id?)", retained))
+                out.append(
+                    Replacement(
+                        stack, logical_id, kind, "removed", "gone from the template (renamed construct id?)", retained
+                    )
+                )
             continue
         if after["Type"] != kind:
             out.append(Replacement(stack, logical_id, kind, "replaced", f"type -> {after['Type']}", retained))
@@ -228,23 +246,26 @@ def load_acknowledged(path: Path | None = None) -> set[str]:
     entries = json.loads(path.read_text())["acknowledged"]
     for entry in entries:
         if not str(entry.get("reason", "")).strip():
-            raise SystemExit(f"error: {path}: {entry.get('resource')!r} has no reason; say why losing or "
-                             "moving its data is intended")
+            raise SystemExit(
+                f"error: {path}: {entry.get('resource')!r} has no reason; say why losing or moving its data is intended"
+            )
     return {entry["resource"] for entry in entries}
 
 
 # ---- deploy checks: what CloudFormation refuses, what a deploy interrupts ----------------------------
 # Attributes an in-place update gives a new value: a job definition update registers a new revision
 # (its Ref is the ARN with the revision), a launch template update a new version.
-_NEW_ON_UPDATE = {"AWS::Batch::JobDefinition": ("Ref", "JobDefinitionArn"),
-                  "AWS::EC2::LaunchTemplate": ("LatestVersionNumber",)}
+_NEW_ON_UPDATE = {
+    "AWS::Batch::JobDefinition": ("Ref", "JobDefinitionArn"),
+    "AWS::EC2::LaunchTemplate": ("LatestVersionNumber",),
+}
 # Batch scales these in place; any other ComputeResources change replaces the instances
 # (https://docs.aws.amazon.com/batch/latest/userguide/infrastructure-updates.html).
 _SCALING_ONLY = {"MinvCpus", "MaxvCpus", "DesiredvCpus"}
 
 
 def references(value: Any) -> set[str]:
-    """"LogicalId" (Ref) and "LogicalId.Attribute" (GetAtt, ${X.Y} in Fn::Sub) that `value` reads."""
+    """ "LogicalId" (Ref) and "LogicalId.Attribute" (GetAtt, ${X.Y} in Fn::Sub) that `value` reads."""
     found: set[str] = set()
     if isinstance(value, list):
         for item in value:
@@ -337,6 +358,7 @@ def _imported(value: Any) -> set[str]:
 class InstanceReplacement:
     """A compute environment update that replaces its instances (an infrastructure update): running
     jobs keep their old instances for up to `grace_minutes`, unless `terminate_jobs`."""
+
     stack: str
     logical_id: str
     because: str
@@ -362,12 +384,22 @@ def compute_environment_updates(stack: str, old: dict[str, Any], new: dict[str, 
         if after["Type"] != COMPUTE_ENVIRONMENT or before is None or before["Type"] != COMPUTE_ENVIRONMENT:
             continue
         was, now = (r["Properties"].get("ComputeResources", {}) for r in (before, after))
-        because = [key for key in sorted(set(was) | set(now)) if key not in _SCALING_ONLY
-                   and (was.get(key) != now.get(key) or _reads_changed(now.get(key), changed))]
+        because = [
+            key
+            for key in sorted(set(was) | set(now))
+            if key not in _SCALING_ONLY and (was.get(key) != now.get(key) or _reads_changed(now.get(key), changed))
+        ]
         if because:
             policy = after["Properties"].get("UpdatePolicy", {})
-            found.append(InstanceReplacement(stack, lid, ", ".join(because), policy.get("TerminateJobsOnUpdate") is True,
-                                             int(policy.get("JobExecutionTimeoutMinutes", 30))))
+            found.append(
+                InstanceReplacement(
+                    stack,
+                    lid,
+                    ", ".join(because),
+                    policy.get("TerminateJobsOnUpdate") is True,
+                    int(policy.get("JobExecutionTimeoutMinutes", 30)),
+                )
+            )
     return found
 
 
@@ -377,12 +409,19 @@ def deploy_review(old_stage: dict[str, dict], new_stage: dict[str, dict]) -> lis
     out: list[str] = []
     exports = export_changes(old_stage, new_stage)
     if exports:
-        out += ["Exports another stack imports (CloudFormation refuses to change or remove them: deploy the "
-                "importing stack first, or stop importing)", *table(EXPORT_HEADERS, (e.row() for e in exports))]
-    updates = [u for stack, new in new_stage.items() for u in compute_environment_updates(stack, old_stage.get(stack, {}), new)]
+        out += [
+            "Exports another stack imports (CloudFormation refuses to change or remove them: deploy the "
+            "importing stack first, or stop importing)",
+            *table(EXPORT_HEADERS, (e.row() for e in exports)),
+        ]
+    updates = [
+        u for stack, new in new_stage.items() for u in compute_environment_updates(stack, old_stage.get(stack, {}), new)
+    ]
     if updates:
-        out += ["Compute environments whose instances the deploy replaces",
-                *table(INSTANCE_HEADERS, (u.row() for u in updates))]
+        out += [
+            "Compute environments whose instances the deploy replaces",
+            *table(INSTANCE_HEADERS, (u.row() for u in updates)),
+        ]
     return out
 
 
@@ -395,8 +434,9 @@ def _unified(before: object, after: object) -> list[str]:
     return ["    " + ln for ln in difflib.unified_diff(_lines(before), _lines(after), lineterm="", n=2)][2:]
 
 
-def diff_template(name: str, old: dict, new: dict, *, acknowledged: frozenset[str] = frozenset()
-                  ) -> tuple[list[str], list[Replacement]]:
+def diff_template(
+    name: str, old: dict, new: dict, *, acknowledged: frozenset[str] = frozenset()
+) -> tuple[list[str], list[Replacement]]:
     """The review text of one stack and its replacements (empty text: no difference)."""
     out: list[str] = []
     old_res, new_res = old.get("Resources", {}), new.get("Resources", {})
@@ -415,14 +455,19 @@ def diff_template(name: str, old: dict, new: dict, *, acknowledged: frozenset[st
         if old.get(section) != new.get(section):
             out.append(f"[~] {section}")
             out += _unified(old.get(section), new.get(section))
-    for title, headers, rows in (("IAM statement changes", IAM_HEADERS, _changes(iam_rows(old), iam_rows(new))),
-                                 ("Security group rule changes", SG_HEADERS, _changes(sg_rows(old), sg_rows(new)))):
+    for title, headers, rows in (
+        ("IAM statement changes", IAM_HEADERS, _changes(iam_rows(old), iam_rows(new))),
+        ("Security group rule changes", SG_HEADERS, _changes(sg_rows(old), sg_rows(new))),
+    ):
         if rows:
             out += ["", title, *table(headers, rows)]
     found = replacements(name, old, new)
     if found:
-        out += ["", "Replacements (CloudFormation creates a new resource and deletes the old one)",
-                *table(REPLACEMENT_HEADERS, (r.row(set(acknowledged)) for r in found))]
+        out += [
+            "",
+            "Replacements (CloudFormation creates a new resource and deletes the old one)",
+            *table(REPLACEMENT_HEADERS, (r.row(set(acknowledged)) for r in found)),
+        ]
     return ([f"Stack {name}", *out] if out else []), found
 
 
@@ -448,12 +493,25 @@ def synthesize(stage: str) -> list[tuple[str, Path, dict[str, Any]]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--update", action="store_true", help="rewrite the snapshots with the current synthesis")
-    parser.add_argument("--stage", choices=SNAPSHOT_STAGES, action="append",
-                        help="only this stage (repeatable); default: all of " + ", ".join(SNAPSHOT_STAGES))
-    parser.add_argument("--base", metavar="GIT_REV", default=None,
-                        help="compare with the snapshots committed at this revision (default: the working tree's)")
-    parser.add_argument("--acknowledge", metavar="STACK/LOGICAL_ID", action="append", default=[],
-                        help="accept replacing or removing this retained resource (repeatable)")
+    parser.add_argument(
+        "--stage",
+        choices=SNAPSHOT_STAGES,
+        action="append",
+        help="only this stage (repeatable); default: all of " + ", ".join(SNAPSHOT_STAGES),
+    )
+    parser.add_argument(
+        "--base",
+        metavar="GIT_REV",
+        default=None,
+        help="compare with the snapshots committed at this revision (default: the working tree's)",
+    )
+    parser.add_argument(
+        "--acknowledge",
+        metavar="STACK/LOGICAL_ID",
+        action="append",
+        default=[],
+        help="accept replacing or removing this retained resource (repeatable)",
+    )
     args = parser.parse_args(argv)
     acknowledged = load_acknowledged() | set(args.acknowledge)
     changed, found, current = False, [], []
@@ -472,9 +530,12 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join([f"Deploying stage {stage}", *review]) + "\n")
     stop = blocking(found, acknowledged)
     for r in stop:
-        print(f"error: {r.key} ({r.type}, DeletionPolicy Retain) would be {r.change}: {r.because}. Keep its "
-              f"construct id and create-only properties, or acknowledge it with a reason in "
-              f"{ACKNOWLEDGEMENTS.name} ({ACKNOWLEDGEMENTS.parent})", file=sys.stderr)
+        print(
+            f"error: {r.key} ({r.type}, DeletionPolicy Retain) would be {r.change}: {r.because}. Keep its "
+            f"construct id and create-only properties, or acknowledge it with a reason in "
+            f"{ACKNOWLEDGEMENTS.name} ({ACKNOWLEDGEMENTS.parent})",
+            file=sys.stderr,
+        )
     if stop:
         return EXIT_RETAINED_REPLACED
     if args.update:

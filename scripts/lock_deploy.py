@@ -24,8 +24,10 @@ from packaging.requirements import Requirement
 REPO = Path(__file__).resolve().parents[1]
 LOCK = REPO / "deploy-constraints.txt"
 EXTRAS = ("infra", "ops")
-HEADER = ("# Exact versions for deploys (`make cdk`): the dependency closure of the infra and ops extras,\n"
-          "# from `pip freeze` of the tested venv. Regenerate: .venv/bin/python scripts/lock_deploy.py\n")
+HEADER = (
+    "# Exact versions for deploys (`make cdk`): the dependency closure of the infra and ops extras,\n"
+    "# from `pip freeze` of the tested venv. Regenerate: .venv/bin/python scripts/lock_deploy.py\n"
+)
 
 
 def canonical(name: str) -> str:
@@ -71,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{LOCK.name} does not pin {', '.join(missing)}; rerun scripts/lock_deploy.py", file=sys.stderr)
             return 1
         return 0
-    freeze = subprocess.run([sys.executable, "-m", "pip", "freeze", "--exclude-editable"], check=True,
-                            capture_output=True, text=True).stdout
+    freeze = subprocess.run(
+        [sys.executable, "-m", "pip", "freeze", "--exclude-editable"], check=True, capture_output=True, text=True
+    ).stdout
     lines = sorted(f"{name}=={version}" for name, version in pinned(freeze).items() if name in needed)
     LOCK.write_text(HEADER + "\n".join(lines) + "\n")
     print(f"wrote {LOCK} ({len(lines)} pins)")

@@ -51,8 +51,9 @@ TEST_ONLY_AMI_ID = "ami-00000000000000000"
 TEST_TRAINING_AZ_ID = "use1-az6"
 
 
-def stage_config(name: str, *, account: str = TEST_ACCOUNT, region: str | None = None,
-                 training_az_id: str = TEST_TRAINING_AZ_ID) -> StageConfig:
+def stage_config(
+    name: str, *, account: str = TEST_ACCOUNT, region: str | None = None, training_az_id: str = TEST_TRAINING_AZ_ID
+) -> StageConfig:
     """The stage as deployed, with the test account and TEST_TRAINING_AZ_ID (or the given ones);
     prod gets TEST_ONLY_AMI_ID pinned for its region (dev keeps its real policy, so its snapshot is
     what `make synth` with that zone produces)."""
@@ -64,8 +65,10 @@ def stage_config(name: str, *, account: str = TEST_ACCOUNT, region: str | None =
 
 
 # Two teams sharing the dev stage (tests of teams: IAM evaluation, boot quotas, the e2e quota run).
-TEAM_ROLES = {"search": f"arn:aws:iam::{TEST_ACCOUNT}:role/search-scientists",
-              "ads": f"arn:aws:iam::{TEST_ACCOUNT}:role/ads-engineers"}
+TEAM_ROLES = {
+    "search": f"arn:aws:iam::{TEST_ACCOUNT}:role/search-scientists",
+    "ads": f"arn:aws:iam::{TEST_ACCOUNT}:role/ads-engineers",
+}
 ADMIN_ROLE = f"arn:aws:iam::{TEST_ACCOUNT}:role/platform-oncall"
 
 
@@ -73,20 +76,28 @@ def teams_stage_config(name: str = "dev", **quotas_gib: float) -> StageConfig:
     """The stage with teams `search` (weight 1, a 20% compute reservation) and `ads` (weight 2),
     each with its own principal, and an admin principal; `quotas_gib` overrides a team's FSx quota
     (default 300 GiB each)."""
-    teams = (TeamConfig(name="search", weight=1.0, compute_reservation=20, fsx_quota_gib=quotas_gib.get("search", 300),
-                        principals=(TEAM_ROLES["search"],)),
-             TeamConfig(name="ads", weight=2.0, fsx_quota_gib=quotas_gib.get("ads", 300),
-                        principals=(TEAM_ROLES["ads"],)))
+    teams = (
+        TeamConfig(
+            name="search",
+            weight=1.0,
+            compute_reservation=20,
+            fsx_quota_gib=quotas_gib.get("search", 300),
+            principals=(TEAM_ROLES["search"],),
+        ),
+        TeamConfig(name="ads", weight=2.0, fsx_quota_gib=quotas_gib.get("ads", 300), principals=(TEAM_ROLES["ads"],)),
+    )
     return replace(stage_config(name), teams=teams, admin_principals=(ADMIN_ROLE,))
 
 
-def build(name: str, *, nag: bool = True, outdir: str | None = None,
-          config: StageConfig | None = None) -> tuple[cdk.App, dict[str, cdk.Stack]]:
+def build(
+    name: str, *, nag: bool = True, outdir: str | None = None, config: StageConfig | None = None
+) -> tuple[cdk.App, dict[str, cdk.Stack]]:
     """A new App with the stage's stacks (registry image injected), cdk-nag attached; `config`
     replaces the stage's config (e.g. teams_stage_config())."""
     app = cdk.App(context=cdk_json_context(), outdir=outdir)
-    stacks = build_stage(app, config or stage_config(name), image_uri=TEST_IMAGE,
-                         diagnosis_asset_hash=TEST_DIAGNOSIS_ASSET_HASH)
+    stacks = build_stage(
+        app, config or stage_config(name), image_uri=TEST_IMAGE, diagnosis_asset_hash=TEST_DIAGNOSIS_ASSET_HASH
+    )
     if nag:
         cdk.Aspects.of(app).add(AwsSolutionsChecks())
     return app, stacks
@@ -102,13 +113,21 @@ def template_json(app: cdk.App, stack: cdk.Stack) -> dict[str, Any]:
     return dict(assembly.get_stack_by_name(stack.stack_name).template)
 
 
-def run_app(*args: str, context: str | None, outdir: Path, env: dict[str, str] | None = None
-            ) -> subprocess.CompletedProcess[str]:
+def run_app(
+    *args: str, context: str | None, outdir: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """`python app.py` the way the cdk CLI runs it: context in CDK_CONTEXT_JSON, output in
     CDK_OUTDIR, no CDK_*/AWS_* variables of the caller's shell (plus `env`)."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("CDK_", "AWS_"))}
     clean.update({"JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION": "20", "CDK_OUTDIR": str(outdir), **(env or {})})
     if context is not None:
         clean["CDK_CONTEXT_JSON"] = context
-    return subprocess.run([sys.executable, "app.py", *args], cwd=REPO_ROOT, env=clean, capture_output=True,
-                          text=True, check=False, timeout=600)
+    return subprocess.run(
+        [sys.executable, "app.py", *args],
+        cwd=REPO_ROOT,
+        env=clean,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )

@@ -24,14 +24,7 @@ from pipeline_contract import COMPILE_REPORT
 
 from .. import distributed as dist_lib
 from .. import tracking
-from ..compile_trial import (
-    COMPILE_ONLY,
-    compile_on_neuron,
-    is_main_node,
-    prepare_trial,
-    run_trial,
-    training_argv,
-)
+from ..compile_trial import COMPILE_ONLY, compile_on_neuron, is_main_node, prepare_trial, run_trial, training_argv
 from ..fileio import atomic_write_json
 from ..trainer import add_train_args
 

@@ -15,13 +15,7 @@ from typing import Any
 
 import aws_cdk as cdk
 
-from scripts.stage_synth import (
-    TEST_DIAGNOSIS_ASSET_HASH,
-    TEST_IMAGE,
-    cdk_json_context,
-    stage_config,
-    template_json,
-)
+from scripts.stage_synth import TEST_DIAGNOSIS_ASSET_HASH, TEST_IMAGE, cdk_json_context, stage_config, template_json
 from stacks.config import StageConfig
 from stacks.stages import build_stage
 from tests.cfn_references import resolve_references

@@ -72,12 +72,8 @@ from moto.stepfunctions.parser.asl.component.state.exec.state_task.service impor
 from moto.stepfunctions.parser.asl.component.state.exec.state_task.service import (
     state_task_service_batch as batch_module,
 )
-from moto.stepfunctions.parser.asl.component.state.exec.state_task.service import (
-    state_task_service_sfn as sfn_module,
-)
-from moto.stepfunctions.parser.asl.component.state.exec.state_task.service import (
-    state_task_service_sns as sns_module,
-)
+from moto.stepfunctions.parser.asl.component.state.exec.state_task.service import state_task_service_sfn as sfn_module
+from moto.stepfunctions.parser.asl.component.state.exec.state_task.service import state_task_service_sns as sns_module
 from moto.stepfunctions.parser.asl.component.state.wait.wait_function.wait_function import WaitFunction
 from moto.stepfunctions.parser.backend.execution_worker import ExecutionWorker
 

@@ -11,15 +11,7 @@ from dataclasses import replace
 import pytest
 from aws_cdk.assertions import Template
 
-from pipeline_contract import (
-    CANARY,
-    PIPELINE_STEPS,
-    RUN_DIR,
-    SUCCESS_MARKER_ENV,
-    Launcher,
-    PipelineStep,
-    batch_job,
-)
+from pipeline_contract import CANARY, PIPELINE_STEPS, RUN_DIR, SUCCESS_MARKER_ENV, Launcher, PipelineStep, batch_job
 from scripts.stage_synth import build, stage_config
 
 SCORE = PipelineStep(name="score", launcher=Launcher.SINGLE_NODE,
