@@ -46,6 +46,7 @@ from pipeline_contract.instances import (  # noqa: F401
     LOG_RETENTION_DAYS,
     NEURON_SDK,
     SHARE_IDENTIFIER_RE,
+    SHARE_WEIGHT,
     InstanceSpec,
     NeuronSdk,
     ami_build_date,

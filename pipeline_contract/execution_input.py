@@ -9,13 +9,16 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Bounds:
-    """An inclusive integer range; str() is how a fix-it message states it ("2..10000")."""
+    """An inclusive range, of integers when both ends are; str() is how a fix-it message states it
+    ("2..10000")."""
 
-    low: int
-    high: int
+    low: int | float
+    high: int | float
 
     def __contains__(self, value: object) -> bool:
-        return isinstance(value, int) and self.low <= value <= self.high
+        integers = isinstance(self.low, int) and isinstance(self.high, int)
+        kinds = (int,) if integers else (int, float)
+        return isinstance(value, kinds) and not isinstance(value, bool) and self.low <= value <= self.high
 
     def __str__(self) -> str:
         return f"{self.low}..{self.high}"

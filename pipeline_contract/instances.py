@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from pipeline_contract.execution_input import Bounds
+
 
 @dataclass(frozen=True, kw_only=True)
 class InstanceSpec:
@@ -145,6 +147,9 @@ def ami_driver_problem(image_name: str, sdk: NeuronSdk = NEURON_SDK) -> str | No
 
 # ---- AWS values the stage configs check ----------------------------------------------------------
 
+SHARE_WEIGHT = Bounds(0.0001, 999.9999)
+"""A fair-share identifier's weight factor (ComputeConfig's shares, TeamConfig.weight):
+https://docs.aws.amazon.com/batch/latest/APIReference/API_ShareAttributes.html"""
 SHARE_IDENTIFIER_RE = re.compile(r"^[A-Za-z0-9_]{1,255}$")
 """A Batch fair-share identifier (ComputeConfig's shares, PipelineConfig's production/experiments
 shares): https://docs.aws.amazon.com/batch/latest/APIReference/API_ShareAttributes.html"""

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from pipeline_contract import CHECKPOINTS_DIR, DEFAULT_PROJECT, FSX_DATA, run_path
+from pipeline_contract import CHECKPOINTS_DIR, DEFAULT_PROJECT, FSX_DATA, execution_input, run_path
 from pipeline_steps import cost as cost_lib
 from pipeline_steps.cli_common import autocomplete, version_line
 
@@ -118,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--priority", type=int, default=None)
     start.add_argument("--embed-shards", type=_positive_int, default=None)
     start.add_argument("--prepare-shards", type=_positive_int, default=None,
-                       help="children of the prepare array job (2..10000; the prepared data is the same for any count)")
+                       help=f"children of the prepare array job ({execution_input.ARRAY_SIZE}; the prepared data is the same "
+                            "for any count)")
     start.add_argument("--name", default=None, help="run id (default <dataset>-<version>-<UTC time>)")
     status = sub.add_parser("status", parents=[common], help="one run in detail (default: the latest)")
     status.add_argument("run", nargs="?", default=None)

@@ -286,8 +286,9 @@ class ComputeConfig:
         for s in self.shares:
             if not pipeline_contract.SHARE_IDENTIFIER_RE.match(s.identifier):
                 raise ValueError(f"ComputeConfig.shares: {s.identifier!r} must be 1-255 letters, digits or '_'.")
-            if not 0.0001 <= s.weight <= 999.9999:
-                raise ValueError(f"ComputeConfig.shares: weight of {s.identifier!r} must be in 0.0001..999.9999.")
+            if s.weight not in pipeline_contract.SHARE_WEIGHT:
+                raise ValueError(
+                    f"ComputeConfig.shares: weight of {s.identifier!r} must be in {pipeline_contract.SHARE_WEIGHT}.")
         if not 0 <= self.share_decay_seconds <= 604800:
             raise ValueError("ComputeConfig.share_decay_seconds: use 0..604800 (one week).")
         if not 0 <= self.compute_reservation <= 99:

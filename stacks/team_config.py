@@ -13,7 +13,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipeline_contract import TeamPaths
+from pipeline_contract import SHARE_WEIGHT, TeamPaths
 
 TEAM_NAME_RE = re.compile(r"^[a-z][a-z0-9]{1,23}$")
 # An IAM role ARN (https://docs.aws.amazon.com/IAM/latest/UserGuide/reference_identifiers.html#identifiers-arns).
@@ -76,8 +76,8 @@ def _team_problems(team: TeamConfig) -> list[str]:
     if not TEAM_NAME_RE.match(team.name):
         problems.append(f"name {team.name!r}: use 2-24 lowercase letters and digits, starting with a letter "
                         "(it becomes an S3 prefix, a share identifier and resource names)")
-    if not 0.0001 <= team.weight <= 999.9999:
-        problems.append(f"{team.name}: weight={team.weight}: Batch accepts 0.0001..999.9999")
+    if team.weight not in SHARE_WEIGHT:
+        problems.append(f"{team.name}: weight={team.weight}: Batch accepts {SHARE_WEIGHT}")
     if team.compute_reservation is not None and not 0 <= team.compute_reservation <= 99:
         problems.append(f"{team.name}: compute_reservation={team.compute_reservation}: a percentage 0..99")
     if not team.fsx_quota_gib >= MIN_QUOTA_GIB:
