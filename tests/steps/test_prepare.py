@@ -292,3 +292,28 @@ def test_prepare_never_imports_torch(tmp_path):
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_catalog_texts_are_chunked_without_changing_the_result(tmp_path, monkeypatch):
+    """The catalog's texts are held in Arrow chunks of TEXT_CHUNK rows, a multiple of Parquet's
+    write batch, with bad records among them: products.parquet is the file one contiguous column
+    gives (chunks of another size cut its pages elsewhere)."""
+    from pipeline_steps import prepare
+
+    products, pairs = generate(2600, 1, seed=0)
+    for i, record in enumerate(products):  # 2.6 MB of text: more than one Parquet data page
+        record["description"] = f"{record.get('description', '')} item {i} " + "long description " * 55
+    data = tmp_path / "upload"
+    (data / "products").mkdir(parents=True)
+    lines = [json.dumps(r) for r in products]
+    lines[700:700] = ['{"id": "bad", "title": 42}', "not json"]  # the chunks are not cut at batch edges
+    (data / "products" / "part-00000.jsonl").write_text("\n".join(lines) + "\n")
+    pq.write_table(pa.Table.from_pylist(pairs), data / "pairs.parquet")
+    monkeypatch.setattr(prepare, "TEXT_CHUNK", 1 << 20)
+    assert _prepare(tmp_path / "whole", "--data", str(data)) == 0
+    monkeypatch.setattr(prepare, "TEXT_CHUNK", 1024)
+    assert _prepare(tmp_path / "chunked", "--data", str(data)) == 0
+    names = sorted(p.name for p in (tmp_path / "whole" / "prepared").iterdir() if p.name != "prepare.json")
+    assert "products.parquet" in names
+    for name in names:
+        assert (tmp_path / "chunked" / "prepared" / name).read_bytes() == (tmp_path / "whole" / "prepared" / name).read_bytes()
