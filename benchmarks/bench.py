@@ -576,20 +576,51 @@ def _write_jsonl_upload(out: Path, num_records: int) -> int:
     return len(products) + len(pairs)
 
 
-def bench_prepare(work: Path, num_records: int, preset: str) -> dict[str, Any]:
+def _measured_prepare(upload_dir: Path, run_dir: Path, preset: str, records: int) -> dict[str, float]:
+    """One `prepare` of `upload_dir` in its own process: wall and CPU seconds, records per second of
+    each, its own peak RSS, and the 1-minute load average when it started."""
+    load = os.getloadavg()[0]
+    wall, cpu, rss = _run_measured(["prepare", "--run-dir", str(run_dir), "--data", str(upload_dir), "--preset", preset])
+    return {"records": records, "wall_s": wall, "cpu_s": cpu, "records_per_s": records / wall,
+            "records_per_cpu_s": records / cpu, "peak_rss_mb": rss / 2**20, "load_average_at_start": round(load, 2)}
+
+
+def bench_prepare_generators(work: Path, num_records: int, preset: str) -> dict[str, Any]:
+    """`prepare` of each generator's upload in benchmarks/catalogs.py (long descriptions, a large
+    vocabulary, distinct queries, non-ASCII text, ...), one after the other, each deleted after."""
+    import shutil
+
+    from benchmarks.catalogs import GENERATORS, write_upload
+
+    by_generator = {}
+    for name in GENERATORS:
+        upload_dir, run_dir = work / f"prepare-upload-{name}", work / f"prepare-run-{name}"
+        log.info("bench prepare: %d records of the %s generator", num_records, name)
+        records = write_upload(name, upload_dir, num_records)
+        by_generator[name] = _measured_prepare(upload_dir, run_dir, preset, records)
+        shutil.rmtree(upload_dir)
+        shutil.rmtree(run_dir)
+    return {"prepare_generators": by_generator,
+            "prepare_generators_records_per_s": min(g["records_per_s"] for g in by_generator.values()),
+            "prepare_generators_peak_rss_mb": max(g["peak_rss_mb"] for g in by_generator.values())}
+
+
+def bench_prepare(work: Path, num_records: int, preset: str, generators: bool = True) -> dict[str, Any]:
     """`prepare` of a generated JSON Lines upload in its own process: records/s and peak RSS; then
-    the RSS each training rank holds after loading that prepared data, with 1 and with 2 ranks."""
+    the RSS each training rank holds after loading that prepared data, with 1 and with 2 ranks;
+    then (`generators`) the same measurement on the uploads of benchmarks/catalogs.py."""
     upload_dir = work / "prepare-upload"
     records = _write_jsonl_upload(upload_dir, num_records)
     run_dir = work / "prepare-run"
-    wall, cpu, rss = _run_measured(["prepare", "--run-dir", str(run_dir), "--data", str(upload_dir), "--preset", preset])
+    single = _measured_prepare(upload_dir, run_dir, preset, records)
     ranks = [_rank_data_rss(run_dir, n) for n in (1, 2)]
     sharded = bench_prepare_sharded(work, upload_dir, run_dir, preset)
-    return {"records": records, "preset": preset, "wall_s": wall, "cpu_s": cpu,
-            "prepare_records_per_s": records / wall, "prepare_records_per_cpu_s": records / cpu,
-            "prepare_peak_rss_mb": rss / 2**20, "train_data_rss_by_ranks": ranks,
-            "train_data_rss_mb_per_rank": ranks[-1]["private_mb"],
-            "train_data_node_rss_growth": ranks[-1]["node_mb"] / ranks[0]["node_mb"], **sharded}
+    return {"records": records, "preset": preset, "wall_s": single["wall_s"], "cpu_s": single["cpu_s"],
+            "prepare_records_per_s": single["records_per_s"], "prepare_records_per_cpu_s": single["records_per_cpu_s"],
+            "prepare_peak_rss_mb": single["peak_rss_mb"], "load_average_at_start": single["load_average_at_start"],
+            "train_data_rss_by_ranks": ranks, "train_data_rss_mb_per_rank": ranks[-1]["private_mb"],
+            "train_data_node_rss_growth": ranks[-1]["node_mb"] / ranks[0]["node_mb"], **sharded,
+            **(bench_prepare_generators(work, num_records, preset) if generators else {})}
 
 
 SHARDED_CHILDREN = 2
@@ -802,8 +833,8 @@ def _run_prepare_section(args: argparse.Namespace, work: Path, preset: str, resu
     log.info("bench prepare: %d records (%s preset)", num_records, preset)
     result["prepare"] = bench_prepare(work, num_records, preset)
     for key in (*PREPARE_TARGETS, "train_data_rss_mb_per_rank", "prepare_sharded", "prepare_sharded_peak_rss_mb",
-                "prepare_sharded_identical"):
-        result[key] = result["prepare"][key]
+                "prepare_sharded_identical", "prepare_generators"):
+        result[key] = result["prepare"].get(key)
 
 
 def run_prepare_only(args: argparse.Namespace) -> dict[str, Any]:
@@ -821,6 +852,7 @@ def run_prepare_only(args: argparse.Namespace) -> dict[str, Any]:
 
 
 PREPARE_TARGETS = {"prepare_records_per_s": (">=", 50_000.0), "prepare_peak_rss_mb": ("<=", 1536.0),
+                   "prepare_generators_records_per_s": (">=", 50_000.0), "prepare_generators_peak_rss_mb": ("<=", 1536.0),
                    "train_data_node_rss_growth": ("<=", 1.25)}
 """Data at scale, on a 2-core machine: one prepare process on JSON Lines, at >= 1M records. The
 last: the node's training-data RSS with 2 ranks / with 1 rank; a copy of the data per rank gives
@@ -847,14 +879,22 @@ def prepare_table(result: dict[str, Any]):
                         f"training ranks under torchrun (gloo)")
     for col in ("metric", "value", "goal", "met"):
         table.add_column(col)
+    generators = pr.get("prepare_generators", {})
     rows = {
         "prepare_records_per_s": f"{pr['prepare_records_per_s']:.0f} ({pr['wall_s']:.1f} s wall; "
-                                 f"{pr['prepare_records_per_cpu_s']:.0f} per CPU s)",
+                                 f"{pr['prepare_records_per_cpu_s']:.0f} per CPU s; load {pr['load_average_at_start']})",
         "prepare_peak_rss_mb": f"{pr['prepare_peak_rss_mb']:.0f}",
+        "prepare_generators_records_per_s": f"{pr.get('prepare_generators_records_per_s') or 0:.0f} (the slowest "
+                                            f"of {len(generators)} generators, below)",
+        "prepare_generators_peak_rss_mb": f"{pr.get('prepare_generators_peak_rss_mb') or 0:.0f} (the largest)",
         "train_data_node_rss_growth": f"{pr['train_data_node_rss_growth']:.2f}",
     }
     for key, (op, target) in PREPARE_TARGETS.items():
-        table.add_row(key, rows[key], f"{op} {target:g}", _met(pr[key], op, target))
+        table.add_row(key, rows[key], f"{op} {target:g}", _met(pr.get(key), op, target))
+    for name, g in generators.items():
+        table.add_row(f"prepare of the {name} generator", f"{g['records_per_s']:.0f} records/s ({g['wall_s']:.1f} s "
+                      f"wall, {g['records_per_cpu_s']:.0f} per CPU s; load {g['load_average_at_start']}), peak RSS "
+                      f"{g['peak_rss_mb']:.0f} MB", "-", "-")
     for name, phase in pr["prepare_sharded"].items():
         table.add_row(f"prepare_sharded.{name}", f"{phase['wall_s']:.1f} s wall, {phase['cpu_s']:.1f} CPU s, "
                                                  f"peak RSS {phase['peak_rss_mb']:.0f} MB", "-", "-")

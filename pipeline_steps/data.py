@@ -227,7 +227,7 @@ class JsonlBatches:
         end = self.path.stat().st_size if self.end is None else self.end
         if self.start == 0 and end == 0:
             log.warning("input file %s is empty (0 bytes): it adds no records", self.path)
-        batch = RecordBatch(source, [], [], [])
+        batch, line_no, bom = RecordBatch(source, [], [], []), 0, self.start == 0
         # Binary mode and a per-line parse: one bad byte quarantines one line, not the whole file.
         with open(self.path, "rb") as fh:
             fh.seek(pos)
@@ -235,16 +235,15 @@ class JsonlBatches:
                 if pos >= end:
                     break
                 pos += len(data)
-                self.lines += 1
-                line_no = self.lines
+                line_no += 1
                 data = data.rstrip(b"\r\n")
-                if self.start == 0 and line_no == 1 and data.startswith(_BOM):
-                    data = data[len(_BOM):]
-                if not data.strip():
-                    continue  # blank lines separate nothing and hold no record
+                if bom:
+                    bom, data = False, data.removeprefix(_BOM)
                 try:
                     value = orjson.loads(data)  # validates UTF-8 and rejects lone surrogates itself
                 except orjson.JSONDecodeError as exc:
+                    if not data.strip():
+                        continue  # blank lines separate nothing and hold no record
                     value = _quarantined_line(source, line_no, data, exc)
                 if type(value) is not dict:
                     record = value if isinstance(value, RawRecord) else _parsed(source, line_no, data, value)
@@ -255,8 +254,10 @@ class JsonlBatches:
                 batch.values.append(value)
                 batch.raws.append(data)
                 if len(batch.lines) == self.batch_rows:
+                    self.lines = line_no
                     yield batch
                     batch = RecordBatch(source, [], [], [])
+        self.lines = line_no
         if batch.lines:
             yield batch
 
@@ -360,6 +361,16 @@ def _finite_float(value: Any, name: str) -> float:
     return number
 
 
+def collapse_spaces(text: str) -> str:
+    """`" ".join(text.split())`: words separated by single spaces, none at either end. A long text
+    that already is so (most descriptions) is returned as it is, found by scans that run in C
+    instead of splitting it into words (an ASCII text that is printable has no other whitespace)."""
+    if len(text) > 64 and text.isascii() and text.isprintable() and "  " not in text and text[0] != " " \
+            and text[-1] != " ":
+        return text
+    return " ".join(text.split())
+
+
 def _text(record: dict, name: str, max_chars: int, *, required: bool) -> str | None:
     """A text field, whitespace-collapsed; None when optional and absent/empty."""
     value = record.get(name)
@@ -371,7 +382,7 @@ def _text(record: dict, name: str, max_chars: int, *, required: bool) -> str | N
         raise RecordError("wrong type", f"{name} must be a string, got {type(value).__name__}")
     if len(value) > max_chars:
         raise RecordError("text too long", f"{name} has {len(value)} characters (max_text_chars is {max_chars})")
-    value = " ".join(value.split())
+    value = collapse_spaces(value)
     if not value:
         if required:
             raise RecordError("empty text", f"{name} is empty")
@@ -725,11 +736,17 @@ class WordEncoder:
             counts.append(np.minimum(count, room).astype(np.int32))
         return np.concatenate(flats), np.concatenate(counts)
 
-    def _fill(self, texts: pa.Array, ids: np.ndarray, lengths: np.ndarray) -> None:
+    def _fill(self, texts: pa.Array, ids: np.ndarray, lengths: np.ndarray, whole: bool = False) -> None:
         room = self.max_length - 2
-        words = pc.split_pattern(texts, " ")  # "" -> [""]: every text has a word
+        # A word has at least one token (but for rare words, such as a lone accent the normalizer
+        # drops), so a text's first `room` words fill its row: a long description is split no further.
+        # A text with more words whose first `room` do not fill it is encoded again `whole`, below.
+        words = pc.split_pattern(texts, " ", max_splits=None if whole else room)  # "" -> [""]: a word per text
         per_text = pc.list_value_length(words).to_numpy(zero_copy_only=False).astype(np.int64)
-        distinct, word = distinct_texts(words.flatten())
+        more = (per_text > room) & (not whole)
+        if more.any():
+            words, per_text = pc.list_slice(words, 0, room), np.minimum(per_text, room)
+        distinct, word = distinct_texts(pc.list_flatten(words))
         tokens, word_start, word_count = self._words(distinct)
         # One entry per word occurrence: where its first token lands in its text.
         occurrence_tokens = word_count[word]
@@ -739,7 +756,8 @@ class WordEncoder:
         first_occurrence = np.cumsum(per_text) - per_text
         text_start = starts[first_occurrence]
         position = starts - text_start[text_of]
-        lengths[:] = np.minimum(ends[first_occurrence + per_text - 1] - text_start, room) + 2
+        tokens_per_text = ends[first_occurrence + per_text - 1] - text_start
+        lengths[:] = np.minimum(tokens_per_text, room) + 2
         # Then one entry per token that fits: truncation drops the rest before it costs anything.
         inside = np.flatnonzero(position < room)
         fits = np.minimum(occurrence_tokens[inside], room - position[inside])
@@ -748,6 +766,11 @@ class WordEncoder:
         ids[text_of[token_of], position[token_of] + within + 1] = tokens[word_start[word[token_of]] + within]
         ids[:, 0] = self.first
         ids[np.arange(len(texts)), lengths - 1] = self.last
+        short = np.flatnonzero(more & (tokens_per_text < room))
+        if len(short):
+            again_ids, again_lengths = np.zeros((len(short), self.max_length), dtype=np.int32), np.zeros_like(short)
+            self._fill(texts.take(pa.array(short)), again_ids, again_lengths, whole=True)
+            ids[short], lengths[short] = again_ids, again_lengths
 
 
 def encode_texts(tokenizer: Tokenizer, texts: Sequence[str] | pa.Array | pa.ChunkedArray,
@@ -765,9 +788,21 @@ def normalise_query(text: str) -> str:
     lowercase, single spaces."""
     if text.isascii():  # nothing to decompose or drop: the common case, 5x faster
         return " ".join(text.lower().split())
-    decomposed = unicodedata.normalize("NFKD", text)
-    stripped = "".join(c for c in decomposed if not unicodedata.combining(c))
+    stripped = unicodedata.normalize("NFKD", text).translate(_COMBINING_MARKS)
     return " ".join(stripped.lower().split())
+
+
+class _CombiningMarks(dict):
+    """A str.translate table that drops combining marks (accents), filled one code point at a time
+    as texts meet them: a translate runs in C, a per-character Python loop took most of the time of
+    the holdout split of non-ASCII queries."""
+
+    def __missing__(self, code: int) -> int | None:
+        self[code] = None if unicodedata.combining(chr(code)) else code
+        return self[code]
+
+
+_COMBINING_MARKS = _CombiningMarks()
 
 
 def query_keys(queries: Sequence[str], seed: int, cache: dict[str, int] | None = None) -> np.ndarray:
@@ -1038,7 +1073,7 @@ class PreparedData:
 def _list_column(matrix: np.ndarray) -> pa.Array:
     """A [n, w] array as a list<...> column without a Python loop (uniform offsets)."""
     n, width = matrix.shape
-    offsets = pa.array(np.arange(0, (n + 1) * width, width, dtype=np.int32) if n else np.zeros(1, np.int32))
+    offsets = pa.array(np.arange(n + 1, dtype=np.int32) * width)  # width 0: a catalog without numeric features
     return pa.ListArray.from_arrays(offsets, pa.array(np.ascontiguousarray(matrix).reshape(-1)))
 
 
@@ -1058,11 +1093,11 @@ def save_products(path: str | Path, products: Products, arrays: bool = True) -> 
         "id": pa.array(products.ids, pa.string()),
         "title": pa.array(products.titles, pa.string()),
         "text": texts if isinstance(texts, pa.ChunkedArray) else pa.array(texts, pa.string()),
-        "token_ids": _list_column(products.token_ids.astype(np.int32)),
-        "length": pa.array(products.lengths.astype(np.int32)),
-        "numeric": _list_column(products.numeric.astype(np.float32)),
-        "categorical": _list_column(products.categorical.astype(np.int64)),
-        "class_id": pa.array(products.class_id.astype(np.int64)),
+        "token_ids": _list_column(products.token_ids.astype(np.int32, copy=False)),
+        "length": pa.array(products.lengths.astype(np.int32, copy=False)),
+        "numeric": _list_column(products.numeric.astype(np.float32, copy=False)),
+        "categorical": _list_column(products.categorical.astype(np.int64, copy=False)),
+        "class_id": pa.array(products.class_id.astype(np.int64, copy=False)),
     })
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
@@ -1082,11 +1117,11 @@ def pairs_table(queries: pa.Array | Sequence[str], product_ids: pa.Array, pairs:
     return pa.table({
         "query": pa.array(queries, pa.string()),
         "product_id": pa.array(product_ids, pa.string()),
-        "product_index": pa.array(pairs.product_index.astype(np.int64)),
-        "token_ids": _list_column(pairs.token_ids.astype(np.int32)),
-        "length": pa.array(pairs.lengths.astype(np.int32)),
-        "weight": pa.array(pairs.weight.astype(np.float32)),
-        "class_id": pa.array(pairs.class_id.astype(np.int64)),
+        "product_index": pa.array(pairs.product_index.astype(np.int64, copy=False)),
+        "token_ids": _list_column(pairs.token_ids.astype(np.int32, copy=False)),
+        "length": pa.array(pairs.lengths.astype(np.int32, copy=False)),
+        "weight": pa.array(pairs.weight.astype(np.float32, copy=False)),
+        "class_id": pa.array(pairs.class_id.astype(np.int64, copy=False)),
     }, schema=PAIRS_SCHEMA)
 
 

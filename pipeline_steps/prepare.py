@@ -14,6 +14,7 @@ Memory: the catalog plus one chunk of pairs (docs/data.md, "Scale").
 from __future__ import annotations
 
 import argparse
+import collections.abc
 import contextlib
 import dataclasses
 import gc
@@ -151,17 +152,20 @@ def _quarantine_batch(kind: str, batch: D.RecordBatch, rejected: list[V.Rejected
 
 
 @dataclass
-class Catalog:
-    """The valid products (the first of each id), in input order: `texts`, each product's title and
-    description as the encoder reads them, in one Arrow column; and the records, without their
-    descriptions (in `texts`: a catalog's descriptions are most of its bytes, held once, compactly).
-    So a record's `text` is its title only: read `texts`."""
+class Catalog(collections.abc.Sequence):
+    """The valid products (the first of each id), in input order: the records, without their
+    descriptions, and `texts`, each product's title and description as the encoder reads them, in
+    one Arrow column (a catalog's descriptions are most of its bytes: held once, compactly). So a
+    record's `text` is its title only: read `texts`."""
 
     records: list[D.ProductRecord]
     texts: pa.ChunkedArray
 
     def __len__(self) -> int:
         return len(self.records)
+
+    def __getitem__(self, index):
+        return self.records[index]
 
     def text_chunks(self) -> Iterator[list[str]]:
         """The texts as lists of at most TEXT_CHUNK strings."""
@@ -520,8 +524,7 @@ def validate_inputs(product_files: Sequence[Path], pair_files: Sequence[Path], c
     with atomic_path(quarantine_path) as tmp, open(tmp, "wb") as sink, fewer_gc_passes():
         quarantine = Quarantine(sink)
         catalog, num_products_read = read_products(product_files, cfg, quarantine)
-        spilled = spill_pairs(pair_files, cfg, {p.id: i for i, p in enumerate(catalog.records)}, quarantine, work,
-                              seed)
+        spilled = spill_pairs(pair_files, cfg, {p.id: i for i, p in enumerate(catalog)}, quarantine, work, seed)
     counts = {"products": _counts("products", num_products_read, quarantine),
               "pairs": _counts("pairs", spilled.num_read, quarantine)}
     report.update(counts=counts, quarantine_file=str(quarantine_path), max_bad_fraction=cfg.max_bad_fraction)
@@ -540,7 +543,7 @@ def tokenizer_and_schema(init_from: Path | None, cfg: DataConfig, catalog: Catal
     (holdout queries stay unseen)."""
     staged = stage_pretrained(pretrained, out, cfg.max_length, init_from) if out is not None else None
     if staged is not None:
-        return (*staged[:2], D.Schema.fit(catalog.records, spilled.labels), staged[2])
+        return (*staged[:2], D.Schema.fit(catalog, spilled.labels), staged[2])
     if init_from is not None:
         tokenizer_bytes, schema, origin = load_previous(init_from)
         tokenizer = D.Tokenizer.from_str(tokenizer_bytes.decode("utf-8"))
@@ -554,7 +557,7 @@ def tokenizer_and_schema(init_from: Path | None, cfg: DataConfig, catalog: Catal
     for texts in catalog.text_chunks():
         product_sample.update(texts)
     tokenizer = D.train_tokenizer(product_sample.texts() + spilled.query_sample, cfg.vocab_size)
-    schema = D.Schema.fit(catalog.records, spilled.labels)
+    schema = D.Schema.fit(catalog, spilled.labels)
     return tokenizer, tokenizer.to_str(pretty=True).encode("utf-8"), schema, "trained"
 
 
@@ -649,7 +652,7 @@ def prepare(args: argparse.Namespace, preset) -> dict[str, Any]:
     report.update(status="ok", outputs={name: sha256_file(out / name) for name in OUTPUT_NAMES},
                   tokenizer={"source": origin, "sha256": _sha256_bytes(tokenizer_bytes),
                              "vocab_size": tokenizer.get_vocab_size()},
-                  schema_coverage=schema_coverage(schema, catalog.records, products),
+                  schema_coverage=schema_coverage(schema, catalog, products),
                   elapsed_s=round(time.time() - started, 3))
     atomic_write_json(args.run_dir / PREPARE_REPORT, report)
     log.info("prepared %d products, %d train / %d holdout pairs in %s (%.1fs)", len(products), stats.num["train"],

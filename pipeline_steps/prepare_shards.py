@@ -170,7 +170,7 @@ def plan(args: argparse.Namespace, preset) -> dict[str, Any]:
         counts = {"products": P._counts("products", num_read, quarantine)}
         # The catalog's check here: a bad catalog fails before any array child starts.
         P.check_threshold(counts, cfg.max_bad_fraction, quarantine_path, {"products": product_files})
-        product_row = {p.id: i for i, p in enumerate(catalog.records)}
+        product_row = {p.id: i for i, p in enumerate(catalog)}
         reuse = args.init_from is not None or args.pretrained is not None
         sample = [] if reuse else query_sample(units, cfg, product_row, args.seed)
         tokenizer, tokenizer_bytes, schema, origin = P.tokenizer_and_schema(
@@ -185,7 +185,7 @@ def plan(args: argparse.Namespace, preset) -> dict[str, Any]:
     report.update(product_counts=counts["products"],
                   tokenizer={"source": origin, "sha256": P._sha256_bytes(tokenizer_bytes),
                              "vocab_size": tokenizer.get_vocab_size()},
-                  schema_coverage=P.schema_coverage(schema, catalog.records, products))
+                  schema_coverage=P.schema_coverage(schema, catalog, products))
     result = {"format_version": PLAN_FORMAT_VERSION, "units": units, "report": report,
               # With --init-from the schema is the previous model's: pair labels add no classes.
               "schema_fixed": args.init_from is not None,

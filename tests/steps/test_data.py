@@ -209,6 +209,15 @@ def test_every_rank_memory_maps_the_catalog_instead_of_copying_it(prepared):
     assert len(products) == len(from_parquet.ids)
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.text(st.characters(codec="utf-8"), max_size=80)
+       | st.text(st.sampled_from("ab ~!\t\n\x0b\x1c\x1f\x7f\u00a0\u00e9"), max_size=300))
+def test_collapsing_spaces_is_splitting_and_joining(text):
+    """Texts are whitespace-collapsed as str.split() and a join give them; the shortcut for long
+    texts that need nothing (most descriptions) changes no text."""
+    assert D.collapse_spaces(text) == " ".join(text.split())
+
+
 def test_a_text_sample_keeps_the_smallest_hashes_that_fit_its_character_budget():
     """The tokenizer's sample is bounded in texts and in characters: the texts with the smallest
     hashes, in hash order, as many as fit; the same whatever order the texts arrive in."""
@@ -273,7 +282,8 @@ def test_encoding_by_words_remembers_words_across_chunks_and_calls(monkeypatch):
     monkeypatch.setattr(D, "ENCODE_WORDS", 3)  # several encodings of joined words per chunk
     tokenizer = _word_test_tokenizer(bert_normalizer=False)
     texts = ["grey sofa", "caf\u00e9 cr\u00e8me, oak table", "grey oak", "blue lamp! grey sofa", "",
-             " ".join(["oak"] * 30), "x" * 120, "[CLS] sofa  \u00a0grey"]
+             " ".join(["oak"] * 30), "x" * 120, "[CLS] sofa  \u00a0grey",
+             " ".join(["\u0301"] * 9 + ["grey", "sofa"])]  # the first words have no token: read on
     whole = D.TextEncoder(tokenizer, 8, capacity=0)._tok
     for capacity in (0, 3, 1000):
         words = D.WordEncoder.of(tokenizer, 8)

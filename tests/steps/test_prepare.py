@@ -317,3 +317,16 @@ def test_the_catalog_texts_are_chunked_without_changing_the_result(tmp_path, mon
     assert "products.parquet" in names
     for name in names:
         assert (tmp_path / "chunked" / "prepared" / name).read_bytes() == (tmp_path / "whole" / "prepared" / name).read_bytes()
+
+
+def test_a_catalog_without_numeric_or_categorical_features_is_prepared(tmp_path):
+    products, pairs = generate(120, 3, seed=0)
+    for record in products:
+        del record["numeric"], record["categorical"]
+    for kind, records in (("products", products), ("pairs", pairs)):
+        (tmp_path / f"{kind}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    run = tmp_path / "run"
+    assert _prepare(run, "--products", str(tmp_path / "products.jsonl"), "--pairs", str(tmp_path / "pairs.jsonl")) == 0
+    assert read_json(run / "prepared" / "prepare.json")["schema"] == {"numeric": 0, "categorical": [],
+                                                                    "classes": len({p["category"] for p in products})}
+    assert D.load_prepared(run).products.numeric.shape == (120, 0)
