@@ -361,12 +361,16 @@ def _finite_float(value: Any, name: str) -> float:
     return number
 
 
+_PRINTABLE_ASCII = bytes(range(0x20, 0x7F))
+
+
 def collapse_spaces(text: str) -> str:
     """`" ".join(text.split())`: words separated by single spaces, none at either end. A long text
     that already is so (most descriptions) is returned as it is, found by scans that run in C
-    instead of splitting it into words (an ASCII text that is printable has no other whitespace)."""
-    if len(text) > 64 and text.isascii() and text.isprintable() and "  " not in text and text[0] != " " \
-            and text[-1] != " ":
+    instead of splitting it into words: ASCII without control characters has no whitespace but
+    the space."""
+    if len(text) > 64 and text.isascii() and not text.encode("ascii").translate(None, _PRINTABLE_ASCII) \
+            and "  " not in text and text[0] != " " and text[-1] != " ":
         return text
     return " ".join(text.split())
 
