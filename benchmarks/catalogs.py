@@ -28,10 +28,13 @@ SHARDS = 8
 PAIRS_PER_PRODUCT = 4
 
 _LATIN = ("ka", "lo", "mi", "ne", "ru", "ta", "vo", "shi", "en", "ar", "dul", "bri", "ost", "pel", "qu", "zan")
-_ACCENTED = ("é", "ü", "ñ", "ø", "å", "ç", "ß", "ő", "ž", "ł", "à", "î")
-_CYRILLIC = ("ка", "ло", "ми", "не", "ру", "та", "во", "ши", "ен", "ар", "дуль", "бри")
-_GREEK = ("κα", "λο", "μι", "νε", "ρυ", "τα", "βο", "σι", "εν", "αρ")
-_CJK = tuple("北京东西南山水木火土金日月星云雨风花草鸟鱼马牛羊猫狗车船书笔")
+_ACCENTED = tuple("\u00e9\u00fc\u00f1\u00f8\u00e5\u00e7\u00df\u0151\u017e\u0142\u00e0\u00ee")
+_CYRILLIC = tuple(("\u043a\u0430 \u043b\u043e \u043c\u0438 \u043d\u0435 \u0440\u0443 \u0442\u0430 \u0432\u043e "
+                   "\u0448\u0438 \u0435\u043d \u0430\u0440 \u0434\u0443\u043b\u044c \u0431\u0440\u0438").split())
+_GREEK = tuple(("\u03ba\u03b1 \u03bb\u03bf \u03bc\u03b9 \u03bd\u03b5 \u03c1\u03c5 \u03c4\u03b1 \u03b2\u03bf "
+                "\u03c3\u03b9 \u03b5\u03bd \u03b1\u03c1").split())
+_CJK = tuple("\u5317\u4eac\u4e1c\u897f\u5357\u5c71\u6c34\u6728\u706b\u571f\u91d1\u65e5\u6708\u661f\u4e91"
+             "\u96e8\u98ce\u82b1\u8349\u9e1f\u9c7c\u9a6c\u725b\u7f8a\u732b\u72d7\u8f66\u8239\u4e66\u7b14")
 _EMOJI = ("\U0001F6CB", "\U0001F45F", "\U0001F4BB", "\u2615", "\u2B50", "\U0001F525")
 
 
