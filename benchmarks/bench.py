@@ -2,7 +2,8 @@
 
 Measures, in one process, against a well-known peer and against this machine's own matmul ceiling:
   train     tokens/s and achieved FLOP/s of one training step (pipeline_steps.trainer.Trainer.train_step)
-            per preset and backend; mfu_vs_ceiling = achieved FLOP/s / a large fp32 GEMM's FLOP/s;
+            per preset and backend (XLA also with --bf16: xla_bf16, bf16_vs_fp32 = its speed / fp32
+            XLA's in the same rounds); mfu_vs_ceiling = achieved FLOP/s / a large fp32 GEMM's FLOP/s;
             train_ratio_vs_peer = our tokens/s / Hugging Face BertModel's with the same shape, batch,
             sequence lengths, AdamW, grad clipping and in-batch contrastive loss on mean-pooled outputs.
             host_s_per_step = seconds each train_step call holds the host (on XLA: tracing + dispatch;
@@ -215,11 +216,15 @@ def synthetic_batch(cfg: ModelConfig, shape: Shape, seed: int = 0) -> dict[str, 
     }
 
 
-def make_trainer(run_dir: Path, preset: str, backend: str):
+XLA_BF16 = "xla_bf16"
+"""The XLA step with `--bf16` (production's precision), a variant timed in the same rounds as "xla"."""
+
+
+def make_trainer(run_dir: Path, preset: str, backend: str, *, bf16: bool = False):
     from pipeline_steps.trainer import Trainer
 
     world = dist_lib.init(backend)
-    cfg = dataclasses.replace(get_preset(preset).train, stall_timeout_s=1e9)
+    cfg = dataclasses.replace(get_preset(preset).train, stall_timeout_s=1e9, bf16=bf16)
     return Trainer(run_dir, preset, cfg, world)
 
 
@@ -313,12 +318,15 @@ def _rates(seconds: list[float], shape: Shape, steps: int, flops: float, ceiling
 
 def bench_train(preset: str, run_dir: Path, shape: Shape, backends: list[str], eager: str, *, repeats: int,
                 steps: int, ceilings: dict[str, Callable[[], float]]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Per backend: tokens/s, FLOP/s, mfu, ratio to the eager peer. With XLA, also the peer traced on
-    XLA and the GEMM on XLA in the same rounds (train_ratio_vs_xla_peer, mfu_vs_xla_ceiling), and
-    the graphs each XLA contender compiled during the timed rounds (compiles_during_timing, 0 when
-    every graph came from the warm-up). `ceilings`: the GEMM per backend. Returns (results,
-    trainers by backend)."""
+    """Per backend (and XLA_BF16 beside "xla"): tokens/s, FLOP/s, mfu, ratio to the eager peer; for
+    XLA_BF16 also bf16_vs_fp32, how many times faster than "xla" in the same rounds. With XLA, also
+    the peer traced on XLA and the GEMM on XLA in the same rounds (train_ratio_vs_xla_peer,
+    mfu_vs_xla_ceiling), and the graphs each XLA contender compiled during the timed rounds
+    (compiles_during_timing, 0 when every graph came from the warm-up). `ceilings`: the GEMM per
+    backend. Returns (results, trainers by backend)."""
     trainers = {b: make_trainer(run_dir, preset, b) for b in backends}
+    if "xla" in trainers:
+        trainers[XLA_BF16] = make_trainer(run_dir, preset, "xla", bf16=True)
     first = next(iter(trainers.values()))
     cfg, temperature = first.model_cfg, first.cfg.temperature
     batch = synthetic_batch(cfg, shape)
@@ -331,7 +339,7 @@ def bench_train(preset: str, run_dir: Path, shape: Shape, backends: list[str], e
     if xla is not None:
         fns["xla_peer"] = peer_step(cfg, shape, batch, temperature, steps, xla.world, host_s["xla_peer"])
         fns["xla_ceiling"] = ceilings["xla"]
-        for name in ("xla", "xla_peer", "xla_ceiling"):
+        for name in ("xla", XLA_BF16, "xla_peer", "xla_ceiling"):
             fns[name] = _counting_compiles(xla.world, fns[name], compiles.setdefault(name, []))
     # XLA: the first warm-up round compiles; the second must hit the cache (checked below).
     alternate(fns, repeats=0, warmup=2 if xla else 1)
@@ -354,6 +362,9 @@ def bench_train(preset: str, run_dir: Path, shape: Shape, backends: list[str], e
         ours["train_ratio_vs_xla_peer"] = paired_ratio(times["xla"], times["xla_peer"])
         ours["mfu_vs_xla_ceiling"] = _median([flops * steps / t / c for t, c in zip(times["xla"], xla_ceiling)])
         ours["compiles_during_timing"] = sum(compiles["xla"])
+        bf16 = results["backends"][XLA_BF16]
+        bf16.update(bf16_vs_fp32=paired_ratio(times[XLA_BF16], times["xla"]),
+                    compiles_during_timing=sum(compiles[XLA_BF16]))
         results["xla_ceiling_flops_per_s"] = _median(xla_ceiling)
         peer = _rates(times["xla_peer"], shape, steps, peer_flops, xla_ceiling, host_s["xla_peer"])
         peer["mfu_vs_xla_ceiling"] = peer.pop("mfu_vs_ceiling")
@@ -777,13 +788,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["xla_preset"] = on_xla[0] if on_xla else None
     for key in ("train_ratio_vs_peer", "host_s_per_step", "tokens_per_s"):
         result[f"xla_{key}"] = xla_head.get(key)
+    xla_bf16 = result["train"][on_xla[0]]["backends"][XLA_BF16] if on_xla else {}
+    result["xla_bf16_tokens_per_s"] = xla_bf16.get("tokens_per_s")
+    result["xla_bf16_vs_fp32"] = xla_bf16.get("bf16_vs_fp32")
     # Against the peer on XLA: every preset measured there must reach the target, so the headline is the lowest.
     by_preset = {p: result["train"][p]["backends"]["xla"] for p in on_xla}
     result["xla_train_ratio_vs_xla_peer_by_preset"] = {p: r["train_ratio_vs_xla_peer"] for p, r in by_preset.items()}
     result["xla_mfu_vs_xla_ceiling_by_preset"] = {p: r["mfu_vs_xla_ceiling"] for p, r in by_preset.items()}
     result["xla_train_ratio_vs_xla_peer"] = min(result["xla_train_ratio_vs_xla_peer_by_preset"].values(), default=None)
     result["xla_compiles_during_timing"] = sum(
-        r["compiles_during_timing"] + result["train"][p]["xla_peer"]["compiles_during_timing"]
+        r["compiles_during_timing"] + result["train"][p]["backends"][XLA_BF16]["compiles_during_timing"]
+        + result["train"][p]["xla_peer"]["compiles_during_timing"]
         for p, r in by_preset.items()) if on_xla else None
 
     # ---- loader headroom against the fastest step of the smallest preset (the hardest case)
@@ -945,6 +960,10 @@ def print_report(result: dict[str, Any]) -> None:
     if result.get("xla_host_s_per_step") is not None:
         summary.add_row("xla_host_s_per_step", f"{result['xla_host_s_per_step']:.3f}",
                         f"({result['xla_preset']}; tracing + dispatch, of {result['xla_tokens_per_s']:.0f} tokens/s)", "-")
+    if result.get("xla_bf16_vs_fp32") is not None:
+        summary.add_row("xla_bf16_vs_fp32", f"{result['xla_bf16_vs_fp32']:.2f}",
+                        f"({result['xla_preset']}; {result['xla_bf16_tokens_per_s']:.0f} vs "
+                        f"{result['xla_tokens_per_s']:.0f} tokens/s)", "-")
     summary.add_row("graphs_compiled", str(result.get("graphs_compiled")), "-", "-")
     summary.add_row("checkpoint_save_s_per_gb", f"{result['checkpoint_save_s_per_gb']:.2f}", "-", "-")
     summary.add_row("checkpoint_load_s_per_gb", f"{result['checkpoint_load_s_per_gb']:.2f}", "-", "-")

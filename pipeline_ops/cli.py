@@ -3,7 +3,7 @@
 
     trainium-runs [--stage dev] start --data-uri incoming/<dataset>/<version>/ [--base-model RUN] [--nodes 4]
     trainium-runs status [RUN] | runs [--max 10] | buckets | stop RUN | --version
-    trainium-runs logs RUN STEP [--follow] [--node N]
+    trainium-runs logs RUN STEP [--follow] [--node N] | why [RUN]
 
 RUN is the run id (the execution name) or an execution ARN; `--json` for scripts. docs/operations.md
 explains each command, the stack outputs and prices it reads, and the exit codes: 0 ok, 1 AWS API
@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator
 from pipeline_steps import cost as cost_lib
 from pipeline_steps.completion import autocomplete, version_line
 from pipeline_steps.contract import CHECKPOINTS_DIR, FSX_DATA, INCOMING_PREFIX, RUNS_PREFIX, run_path
+from pipeline_steps.diagnosis import handler as diagnosis, job_logs
 
 from . import runs as R
 
@@ -144,11 +145,7 @@ def _history(ctx: Context, arn: str) -> list[dict[str, Any]]:
 
 
 def _describe_jobs(ctx: Context, job_ids: list[str]) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {}
-    for i in range(0, len(job_ids), 100):  # DescribeJobs takes up to 100 ids
-        for job in ctx.client("batch").describe_jobs(jobs=job_ids[i:i + 100])["jobs"]:
-            out[job["jobId"]] = job
-    return out
+    return job_logs.describe_jobs(ctx.client("batch"), job_ids)
 
 
 def _array_children(ctx: Context, job_id: str) -> list[dict[str, Any]]:
@@ -249,7 +246,7 @@ def train_progress(ctx: Context, run_id: str, record: dict[str, Any], *, now: fl
     total = None
     main = R.main_node_job_id(record)
     main_record = _describe_jobs(ctx, [main]).get(main, {}) if main else record
-    group, stream = R.log_location(main_record)
+    group, stream = job_logs.log_location(main_record)
     if stream:
         logs = ctx.client("logs")
         try:
@@ -360,7 +357,7 @@ def _log_target(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
     elif job.array_size:
         job_id = f"{job.job_id}:{args.index}"
         record = _describe_jobs(ctx, [job_id]).get(job_id, {})
-    group, stream = R.log_location(record)
+    group, stream = job_logs.log_location(record)
     if not stream:
         raise R.NotFoundError(f"{state} job {job_id} has no log stream yet (status {record.get('status', '?')}).")
     return {"run_id": execution["name"], "step": state, "job_id": job_id, "log_group": group, "log_stream": stream}
@@ -408,6 +405,45 @@ def follow(ctx: Context, target: dict[str, Any], token: str, interval: float, *,
             return
         token = page["nextForwardToken"]
         sleep(interval)
+
+
+# The failure path's states (stacks/constructs/pipeline_states.py): their input holds $.failure.
+FAILURE_PATH_STATES = ("DiagnoseFailure", "NotifyFailure")
+
+
+def _latest_failed_run(ctx: Context) -> str:
+    executions = ctx.client("stepfunctions").list_executions(
+        stateMachineArn=ctx.state_machine_arn, statusFilter="FAILED", maxResults=1)["executions"]
+    if not executions:
+        raise R.NotFoundError(f"no failed runs in {ctx.state_machine_arn}.")
+    return executions[0]["executionArn"]
+
+
+def _failure_event(execution: dict[str, Any], history: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the pipeline's classifier was given: the failure path's state input, else (a run that
+    never reached it, e.g. aborted or timed out) the execution's own error and cause."""
+    entered = [e["stateEnteredEventDetails"] for e in history if "stateEnteredEventDetails" in e]
+    for details in reversed(entered):
+        if details["name"] in FAILURE_PATH_STATES:
+            event = json.loads(details.get("input") or "{}")
+            if event.get("failure"):
+                return event
+    visits, _ = R.parse_history(history)
+    state = next((v.name for v in reversed(visits) if v.error), None) or "execution"
+    return {"run_id": execution["name"],
+            "failure": {state: {"Error": execution.get("error") or "", "Cause": execution.get("cause") or ""}}}
+
+
+def cmd_why(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
+    """The failure class of a failed run, as its notification said: every node's log tail of the
+    failed job (array children too), its exit code and Batch's reasons (pipeline_steps/diagnosis)."""
+    arn = R.execution_arn(ctx.state_machine_arn, args.run) if args.run else _latest_failed_run(ctx)
+    execution = _describe_execution(ctx, arn)
+    if execution["status"] not in ("FAILED", "TIMED_OUT", "ABORTED"):
+        return {"run_id": execution["name"], "status": execution["status"], "diagnosis": None}
+    event = _failure_event(execution, _history(ctx, execution["executionArn"]))
+    result = diagnosis.classify_failure(event, ctx.client("batch"), ctx.client("logs"))
+    return {"run_id": execution["name"], "status": execution["status"], "diagnosis": result}
 
 
 def cmd_buckets(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
@@ -559,6 +595,14 @@ def render_stop(console: Any, out: dict[str, Any]) -> None:
         console.print(f"run {out['run_id']} is {out['status']}; nothing to stop")
 
 
+def render_why(console: Any, out: dict[str, Any]) -> None:
+    if out["diagnosis"] is None:
+        console.print(f"run {out['run_id']} is {out['status']}; nothing to diagnose", markup=False)
+        return
+    console.print(f"run {out['run_id']} {out['status']}. {out['diagnosis']['text'].rstrip()}", markup=False,
+                  highlight=False)
+
+
 def render_buckets(console: Any, out: dict[str, Any]) -> None:
     for label, key in (("data bucket", "data_bucket"), ("artifacts bucket", "artifacts_bucket"),
                        ("upload to", "upload_to"), ("runs", "runs"), ("current model", "current_model")):
@@ -568,6 +612,7 @@ def render_buckets(console: Any, out: dict[str, Any]) -> None:
 COMMANDS: dict[str, tuple[Callable[..., dict[str, Any]], Callable[[Any, dict[str, Any]], None]]] = {
     "start": (cmd_start, render_start), "status": (cmd_status, render_status), "runs": (cmd_runs, render_runs),
     "logs": (cmd_logs, render_logs), "stop": (cmd_stop, render_stop), "buckets": (cmd_buckets, render_buckets),
+    "why": (cmd_why, render_why),
 }
 
 
@@ -658,6 +703,9 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("--follow", "-f", action="store_true",
                       help="keep printing new lines until the job ends (like tail -f)")
     logs.add_argument("--interval", type=_positive_float, default=5.0, help="seconds between reads with --follow")
+    why = sub.add_parser("why", parents=[common],
+                         help="why a run failed: class, evidence and a fix (default: the latest failed run)")
+    why.add_argument("run", nargs="?", default=None)
     sub.add_parser("buckets", parents=[common], help="the stage's data and artifacts buckets")
     stop = sub.add_parser("stop", parents=[common], help="stop a running run")
     stop.add_argument("run")

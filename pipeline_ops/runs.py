@@ -21,7 +21,6 @@ BATCH_STATES: tuple[str, ...] = tuple(step.state for step in contract.PIPELINE_S
 MULTI_NODE_STATES = frozenset(step.state for step in contract.PIPELINE_STEPS if step.multi_node)
 DEFAULT_TRAINING_INSTANCE = contract.DEFAULT_TRAINING_INSTANCE_TYPE
 DEFAULT_SINGLE_NODE_INSTANCE = contract.DEFAULT_SINGLE_NODE_INSTANCE_TYPE
-DEFAULT_LOG_GROUP = "/aws/batch/job"  # Batch's default awslogs group
 # Step Functions execution names: 1-80 of these characters (the run id is the execution name).
 _NAME_OK = re.compile(r"[^A-Za-z0-9_-]+")
 
@@ -189,21 +188,6 @@ def job_cost(job: StepJob, prices: cost_lib.PriceTable, *, training: str, single
     return cost_lib.step_cost(job.state, instance_type=instance, nodes=nodes,
                               started_at=_epoch(job.record.get("startedAt")), stopped_at=stopped,
                               prices=prices, now=now)
-
-
-def log_location(record: dict[str, Any]) -> tuple[str, str | None]:
-    """(log group, stream) of a job's main node. For a multi-node parent the stream lives on the
-    main node's child job `<jobId>#<mainNode>`; the caller describes that one."""
-    container = record.get("container") or {}
-    options = (container.get("logConfiguration") or {}).get("options") or {}
-    group = options.get("awslogs-group", DEFAULT_LOG_GROUP)
-    stream = container.get("logStreamName")
-    if not stream:
-        for attempt in reversed(record.get("attempts") or []):
-            stream = (attempt.get("container") or {}).get("logStreamName")
-            if stream:
-                break
-    return group, stream
 
 
 def main_node_job_id(record: dict[str, Any]) -> str | None:

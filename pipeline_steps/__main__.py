@@ -31,6 +31,7 @@ STEPS: dict[str, tuple[str, str]] = {
     "export": ("pipeline_steps.export", "the towers as sentence-transformers folders for serving"),
     "run-local": ("pipeline_steps.run_local", "the whole chain on this machine (demo data by default)"),
     "parity": ("pipeline_steps.parity", "train two backends over several seeds; compare metric means and spread"),
+    "diagnose": ("pipeline_steps.diagnose", "why a job failed: class, evidence and a fix from its node logs"),
 }
 
 
@@ -41,8 +42,8 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-# The pipeline's steps (a child run each of the pipeline's MLflow run); run-local is a tool.
-TRACKED_STEPS = frozenset(STEPS) - {"run-local"}
+# The pipeline's steps (a child run each of the pipeline's MLflow run); run-local and diagnose are tools.
+TRACKED_STEPS = frozenset(STEPS) - {"run-local", "diagnose"}
 
 
 def _run_dir_of(args: list[str]) -> str | None:

@@ -44,6 +44,11 @@ class ModelConfig:
     when the encoder starts from a pretrained BERT checkpoint, see pipeline_steps/pretrained.py)."""
     layer_norm_eps: float = 1e-5
     """LayerNorm epsilon; a pretrained encoder keeps its own (BERT: 1e-12)."""
+    head: str = "mlp"
+    """The towers' heads: "mlp" (Linear, GELU, Linear; trains from scratch) or "linear" (one Linear
+    that starts as the identity on the pooled text and zero on the explicit features, so a model
+    started from a pretrained encoder embeds exactly as that encoder does before its first step;
+    needs embedding_dim == hidden_size)."""
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
@@ -61,6 +66,11 @@ class ModelConfig:
             raise BadConfigError(f"model.norm_position must be 'pre' or 'post', got {self.norm_position!r}")
         if not 0.0 < self.layer_norm_eps < 1.0:
             raise BadConfigError(f"model.layer_norm_eps must be in (0, 1), got {self.layer_norm_eps}")
+        if self.head not in ("mlp", "linear"):
+            raise BadConfigError(f"model.head must be 'mlp' or 'linear', got {self.head!r}")
+        if self.head == "linear" and self.embedding_dim != self.hidden_size:
+            raise BadConfigError(f"model.head 'linear' starts as the identity, so embedding_dim ({self.embedding_dim}) "
+                                 f"must equal hidden_size ({self.hidden_size})")
         object.__setattr__(self, "categorical_cardinalities", tuple(self.categorical_cardinalities))
 
 
@@ -109,8 +119,13 @@ class TrainConfig:
     max_steps: int = 0
     """Stop after this many optimizer steps (0 = run all epochs)."""
     lr: float = 5e-4
+    encoder_lr: float | None = None
+    """Learning rate of the text encoder's weights (None: `lr`, as for every other weight). A
+    pretrained encoder takes a smaller one than the new heads (PRETRAINED_TRAIN)."""
     weight_decay: float = 0.01
     warmup_steps: int = 10
+    warmup_fraction: float = 0.0
+    """When > 0, the warm-up is this share of the run's steps (the trainer sets warmup_steps from it)."""
     grad_clip: float = 1.0
     temperature: float = 0.05
     """Softmax temperature of the in-batch contrastive loss."""
@@ -130,8 +145,10 @@ class TrainConfig:
             raise BadConfigError(f"epochs must be >= 1, got {self.epochs}")
         if self.max_steps < 0:
             raise BadConfigError(f"max_steps must be >= 0, got {self.max_steps}")
-        if self.lr <= 0:
-            raise BadConfigError(f"lr must be > 0, got {self.lr}")
+        if self.lr <= 0 or (self.encoder_lr is not None and self.encoder_lr <= 0):
+            raise BadConfigError(f"lr and encoder_lr must be > 0, got {self.lr} and {self.encoder_lr}")
+        if not 0.0 <= self.warmup_fraction < 1.0:
+            raise BadConfigError(f"warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
         if self.checkpoint_every < 1:
             raise BadConfigError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
         if self.keep_checkpoints < 2:
@@ -182,6 +199,13 @@ PRESETS: dict[str, Preset] = {
                 train=TrainConfig(epochs=3, lr=5e-5, warmup_steps=200, checkpoint_every=500, log_every=20)),
     )
 }
+
+
+PRETRAINED_TRAIN: dict[str, Any] = {
+    "lr": 1e-3, "encoder_lr": 5e-5, "warmup_fraction": 0.1, "epochs": 2, "temperature": 0.05,
+}
+"""What a run started from a pretrained encoder trains with instead of the preset's TrainConfig
+fields (flags still override): see docs/training.md, "Starting from a pretrained encoder"."""
 
 
 def get_preset(name: str) -> Preset:

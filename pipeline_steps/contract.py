@@ -2,7 +2,8 @@
 
 Every fact two of those layers must agree on is written here once: the pipeline's steps, the FSx
 paths, the run directory's layout, the exit codes, the environment the job definitions set, the
-heartbeat metric names, the Trainium instance table and the AWS values the stage configs check.
+heartbeat metric names, the Trainium instance table, the Neuron SDK release and the AWS values the
+stage configs check.
 Pure Python, no torch: `cdk synth` imports it (through stacks/config.py) on machines without torch.
 The copies that cannot import it are pinned by tests: the entrypoint's (shell) by
 tests/infra/test_training_image.py, the README's tables by tests/steps/test_contract.py.
@@ -189,18 +190,25 @@ class InstanceSpec:
     """NeuronCores = torchrun --nproc_per_node (one rank per core)."""
     efa_interfaces: int
     """EFA network cards = /dev/infiniband/uverbs0..N-1; 0 = no EFA (no interfaces declared)."""
+    compiler_target: str
+    """neuronx-cc `--target`: the instance family the graphs are compiled for (`trn1n` is a target
+    of its own since neuronx-cc 2.5.0.28,
+    https://awsdocs-neuron.readthedocs-hosted.com/en/latest/release-notes/compiler/neuronx-cc/index.html)."""
 
 
 INSTANCE_TYPES: Mapping[str, InstanceSpec] = MappingProxyType(
     {
         "trn1.32xlarge": InstanceSpec(
-            name="trn1.32xlarge", vcpus=128, memory_gib=512, neuron_devices=16, neuron_cores=32, efa_interfaces=8
+            name="trn1.32xlarge", vcpus=128, memory_gib=512, neuron_devices=16, neuron_cores=32, efa_interfaces=8,
+            compiler_target="trn1",
         ),
         "trn1n.32xlarge": InstanceSpec(
-            name="trn1n.32xlarge", vcpus=128, memory_gib=512, neuron_devices=16, neuron_cores=32, efa_interfaces=16
+            name="trn1n.32xlarge", vcpus=128, memory_gib=512, neuron_devices=16, neuron_cores=32, efa_interfaces=16,
+            compiler_target="trn1n",
         ),
         "trn1.2xlarge": InstanceSpec(
-            name="trn1.2xlarge", vcpus=8, memory_gib=32, neuron_devices=1, neuron_cores=2, efa_interfaces=0
+            name="trn1.2xlarge", vcpus=8, memory_gib=32, neuron_devices=1, neuron_cores=2, efa_interfaces=0,
+            compiler_target="trn1",
         ),
     }
 )
@@ -222,6 +230,67 @@ def instance_spec(name: str, where: str) -> InstanceSpec:
             "(EFA interfaces, Neuron devices/cores, vCPUs, memory)."
         )
     return INSTANCE_TYPES[name]
+
+
+# ---- The Neuron SDK release ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class NeuronSdk:
+    """One Neuron SDK release: the training image, the compiler in it and the host driver it needs.
+    The Dockerfile's FROM and compiler check, the user data's driver floor (ComputeConfig) and the
+    AMI pins (scripts/infra_pin_ami.sh, stacks/neuron_amis.json) follow it; one test keeps them
+    together (tests/infra/test_training_image.py)."""
+
+    release: str
+    training_image: str
+    """The release's PyTorch training DLC (training_image/Dockerfile FROM)."""
+    torch: str
+    """The PyTorch line of the image (torch, torch-xla; torch-neuronx 2.9.0.x); the local pins follow it."""
+    neuronx_cc: str
+    """The compiler in the image (checked when the image is built); the compile cache is keyed by it."""
+    driver: str
+    """aws-neuronx-dkms of the release (major.minor): hosts with an older driver refuse to start."""
+    driver_released: str
+    """When that driver shipped (YYYY-MM-DD): an ECS Neuron AMI built earlier cannot carry it."""
+
+
+NEURON_SDK = NeuronSdk(
+    # PyTorch/XLA training is supported through 2.29.x and not from 2.30.0 on
+    # (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/about-neuron/announcements/neuron2.x/announce-no-support-pytorch-xla-training.html);
+    # 2.29.1 (2026-05-01) is the last release before it: neuronx-cc 2.24.5133.0 -> 2.24.8799.0
+    # (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.29.1/release-notes/2.29.1.html), image tag in
+    # the DLC release table (https://github.com/aws-neuron/deep-learning-containers#pytorch-training-neuronx),
+    # driver 2.27.4.0 with 2.29.0 on 2026-04-09
+    # (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.29.0/release-notes/releasecontent.html).
+    release="2.29.1",
+    training_image="public.ecr.aws/neuron/pytorch-training-neuronx:2.9.0-neuronx-py312-sdk2.29.1-ubuntu24.04",
+    torch="2.9",
+    neuronx_cc="2.24.8799.0",
+    driver="2.27",
+    driver_released="2026-04-09",
+)
+
+_AMI_BUILD_DATE = re.compile(r"\.(\d{4})(\d{2})(\d{2})(?=-|$)")
+
+
+def ami_build_date(image_name: str) -> str | None:
+    """YYYY-MM-DD from an ECS-optimized AMI name (al2023-ami-ecs-neuron-hvm-2023.0.20260415-kernel-6.1-x86_64)."""
+    found = _AMI_BUILD_DATE.search(image_name)
+    return "-".join(found.groups()) if found else None
+
+
+def ami_driver_problem(image_name: str, sdk: NeuronSdk = NEURON_SDK) -> str | None:
+    """Why an ECS Neuron AMI cannot run the SDK's image, or None. The AMI build installs the
+    newest aws-neuronx-dkms of its day (aws/amazon-ecs-ami scripts/enable-ecs-agent-inferentia-support.sh),
+    so an AMI built before the SDK's driver shipped has an older one."""
+    built = ami_build_date(image_name)
+    if built is None:
+        return f"{image_name!r} has no build date in its name: cannot tell its Neuron driver"
+    if built < sdk.driver_released:
+        return (f"{image_name} was built {built}, before Neuron driver {sdk.driver} ({sdk.driver_released}) that "
+                f"the training image (Neuron SDK {sdk.release}) needs; pin a newer AMI")
+    return None
 
 
 # ---- AWS values the stage configs check ----------------------------------------------------------

@@ -1254,12 +1254,13 @@ def _gather(token_ids: np.ndarray, lengths: np.ndarray, rows: np.ndarray, width:
 class TrainBatches:
     """Static-shape training batches of the train pairs, sharded per rank, seeded per epoch.
 
-    Each pair goes to the smallest length bucket that holds its product's text; within a bucket
-    pairs are shuffled and cut into batches of exactly `batch_size` rows (the last one padded with
-    masked rows, never dropped). The batches of all buckets are then shuffled together, and rank r
-    takes every world_size-th one; when the count does not divide, fully-masked batches are
-    appended so every rank steps the same number of times (a rank that stops early hangs the
-    collective of the others).
+    Each pair goes to the smallest length bucket that holds its product's text. Within a bucket
+    pairs are shuffled and cut into global steps of world_size batches of exactly `batch_size`
+    rows, one per rank (the last step padded with masked rows, never dropped: fully-masked
+    batches if need be); the steps of all buckets are then shuffled together. So in every step
+    all ranks run the same bucket's graph (none waits for a longer bucket), and every rank steps
+    the same number of times (a rank that stops early hangs the collective of the others). The
+    order is a function of (seed, epoch): a resumed run continues it.
     """
 
     def __init__(self, data: PreparedData, batch_size: int, *, rank: int, world_size: int, seed: int):
@@ -1272,25 +1273,21 @@ class TrainBatches:
         doc_lengths = data.products.lengths[data.train.product_index]
         which = bucket_index(doc_lengths, self.buckets)
         self._members = [np.flatnonzero(which == b) for b in range(len(self.buckets))]
-        self._total = sum(-(-len(m) // batch_size) for m in self._members)
-        # Padding batches reuse a bucket that real batches use, so they add no XLA graph.
         # No pairs at all (an empty holdout) means zero batches, not an error.
-        self._padding_bucket = next((b for b, m in enumerate(self._members) if len(m)), 0)
+        self._steps = sum(-(-len(m) // (batch_size * world_size)) for m in self._members)
 
     def num_batches(self) -> int:
         """Batches per rank per epoch; identical on every rank and in every epoch."""
-        return -(-self._total // self.world_size)
+        return self._steps
 
     def _schedule(self, epoch: int) -> list[tuple[int, np.ndarray]]:
         """This rank's (bucket, row indices [B]) for `epoch`; the same on every call."""
         rng = np.random.default_rng([self.seed, epoch])
-        batches: list[tuple[int, np.ndarray]] = []
+        steps: list[tuple[int, np.ndarray]] = []  # (bucket, row indices [world_size, B])
         for b, members in enumerate(self._members):
-            batches.extend((b, rows) for rows in _pad_rows(rng.permutation(members), self.batch_size))
-        batches = [batches[i] for i in rng.permutation(len(batches))]
-        filler = np.full(self.batch_size, -1, dtype=np.int64)
-        batches += [(self._padding_bucket, filler)] * (self.num_batches() * self.world_size - len(batches))
-        return batches[self.rank::self.world_size]
+            for rows in _pad_rows(rng.permutation(members), self.batch_size * self.world_size):
+                steps.append((b, rows.reshape(self.world_size, self.batch_size)))
+        return [(steps[i][0], steps[i][1][self.rank]) for i in rng.permutation(len(steps))]
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[dict[str, torch.Tensor]]:
         """The batches of `epoch` for this rank, skipping the first `start` (resume mid-epoch)."""

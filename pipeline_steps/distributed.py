@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
@@ -91,7 +92,11 @@ def init(backend: str) -> World:
                 "backend 'xla' needs torch_xla: `pip install torch-xla==2.9.0` (local) or run in the "
                 "Neuron training image; or choose --backend cpu"
             )
-        if not neuron_available():
+        if neuron_available():
+            # Every XLA step (train, and validate/embed on their own instances) reads and fills the
+            # same versioned persistent cache, so no step recompiles a graph another one compiled.
+            configure_neuron_cache()
+        else:
             os.environ.setdefault("PJRT_DEVICE", "CPU")
         import torch_xla
 
@@ -103,7 +108,7 @@ def init(backend: str) -> World:
                 )
             import torch_xla.distributed.xla_backend  # noqa: F401  registers the "xla" process group
 
-            dist.init_process_group("xla", init_method="xla://")
+            _join_process_group("xla", init_method="xla://")
         return World(backend, rank, world_size, local_rank, torch_xla.device(), grad_reduce="allreduce")
 
     if backend == "cuda":
@@ -114,11 +119,15 @@ def init(backend: str) -> World:
     else:
         device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
-        try:
-            dist.init_process_group("nccl" if backend == "cuda" else "gloo")
-        except (RuntimeError, ValueError) as exc:  # rendezvous timeouts, refused connections
-            raise RetryableError(f"could not join the process group: {exc}") from exc
+        _join_process_group("nccl" if backend == "cuda" else "gloo")
     return World(backend, rank, world_size, local_rank, device, grad_reduce=_eager_grad_reduce())
+
+
+def _join_process_group(backend: str, **kwargs: Any) -> None:
+    try:
+        dist.init_process_group(backend, **kwargs)
+    except (RuntimeError, ValueError) as exc:  # rendezvous timeouts, refused connections
+        raise RetryableError(f"could not join the {backend} process group: {exc}") from exc
 
 
 def _eager_grad_reduce() -> str:
@@ -134,6 +143,30 @@ def _eager_grad_reduce() -> str:
 # naming gloo's TCP transport or the socket error.
 _PEER_LOST_MARKERS = ("gloo/transport", "Connection reset by peer", "Connection closed by peer", "Broken pipe")
 
+# A Neuron runtime or collectives fault is transient for the job (a retry may get other hosts):
+# libnrt reports it as `nrt_<call> status=<code> message=...` or by status name (NRT_TIMEOUT,
+# a collective stuck or a device or EFA proxy hardware error; nrt_status.h,
+# https://awsdocs-neuron.readthedocs-hosted.com/en/latest/neuron-runtime/api/nrt_status.html), the
+# collectives library (CCOM/NCCOM log lines) by a timeout or a peer closing the connection
+# (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/neuron-runtime/nrt-troubleshoot.html).
+# Invalid NEFFs, allocation failures, out-of-bounds and NaN statuses are not transient, and a
+# graph the compiler rejects is not a runtime fault (compile: exit 78).
+_NRT_TRANSIENT = {"NRT_TIMEOUT": 5, "NRT_HW_ERROR": 6, "NRT_EXEC_UNIT_UNRECOVERABLE": 101, "NRT_COLL_PENDING": 1100,
+                  "NRT_EXEC_HW_ERR_COLLECTIVES": 1200, "NRT_EXEC_HW_ERR_HBM_UE": 1201,
+                  "NRT_EXEC_HW_ERR_NC_UE": 1202, "NRT_EXEC_HW_ERR_DMA_ABORT": 1203,
+                  "NRT_EXEC_HW_ERR_REPAIRABLE_HBM_UE": 1205, "NRT_NETWORK_PROXY_FAILURE": 1206}
+_NRT_STATUS = re.compile(r"\bnrt_\w+ status=(\d+)")
+_NRT_NAME = re.compile(r"\bNRT_[A-Z_]+\b")
+_COLLECTIVES_FAULT = re.compile(r"\bN?CCOM\b.*(timeout|timed out|connection closed)", re.IGNORECASE)  # on one line
+
+
+def is_neuron_runtime_fault(exc: BaseException) -> bool:
+    """A Neuron runtime or collectives timeout, hung collective or hardware error."""
+    text = str(exc)
+    codes = {int(code) for code in _NRT_STATUS.findall(text)}
+    return bool(codes & set(_NRT_TRANSIENT.values()) or set(_NRT_NAME.findall(text)) & set(_NRT_TRANSIENT)
+                or _COLLECTIVES_FAULT.search(text))
+
 
 def is_peer_failure(exc: BaseException) -> bool:
     return isinstance(exc, dist.DistError) or (
@@ -141,16 +174,20 @@ def is_peer_failure(exc: BaseException) -> bool:
 
 
 @contextmanager
-def peer_failures_are_retryable(world: World, what: str) -> Iterator[None]:
-    """Turn a lost peer into RetryableError (exit 75: Batch retries the job, which resumes from
-    the last checkpoint) instead of an internal error (exit 1: not retried)."""
+def transient_faults_are_retryable(world: World, what: str) -> Iterator[None]:
+    """Turn a lost peer or a Neuron runtime/collectives fault into RetryableError (exit 75: Batch
+    retries the job, which resumes from the last checkpoint) instead of an internal error (exit 1:
+    not retried)."""
     try:
         yield
     except RuntimeError as exc:
-        if not (world.distributed and is_peer_failure(exc)):
-            raise
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise RetryableError(f"{what}: a peer of rank {world.rank} of {world.world_size} went away ({detail})") from exc
+        where = f"rank {world.rank} of {world.world_size}"
+        if is_neuron_runtime_fault(exc):
+            raise RetryableError(f"{what}: Neuron runtime or collectives fault on {where} ({detail})") from exc
+        if world.distributed and is_peer_failure(exc):
+            raise RetryableError(f"{what}: a peer of {where} went away ({detail})") from exc
+        raise
 
 
 def shutdown() -> None:
@@ -170,9 +207,26 @@ def barrier(world: World) -> None:
 
 
 def seed_everything(seed: int) -> None:
+    """The same seed on every rank: every rank builds the same initial weights (on XLA nothing
+    broadcasts them)."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def seed_step(world: World, seed: int, step: int) -> None:
+    """Seed the generator dropout draws from with a hash of (seed, rank, step): ranks draw
+    different masks, and a resumed run draws the ones an uninterrupted run would have.
+
+    On XLA that is the device generator (`xm.set_rng_state`): its seed is a host-side value that
+    every graph uploads as an input anyway, so reseeding reads nothing back and adds no graph."""
+    value = int(np.random.SeedSequence([seed, world.rank, step]).generate_state(1, np.uint64)[0] >> 1)
+    if world.is_xla:
+        import torch_xla.core.xla_model as xm
+
+        xm.set_rng_state(value, str(world.device))
+    else:
+        torch.manual_seed(value)
 
 
 # ----------------------------------------------------------------------------- training-loop hooks
@@ -216,37 +270,97 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def make_adamw(world: World, groups: list[dict[str, Any]], **kwargs: Any) -> torch.optim.Optimizer:
-    """AdamW for the backend. On XLA: torch_xla's sync-free AdamW, one fused update op per tensor
-    (torch's AdamW on XLA traces several in-place ops per tensor: measured 0.19 vs 0.10 s of host
-    time per step on tiny, and host time grows with the tensor count)."""
-    if world.is_xla:
-        from torch_xla.amp import syncfree
-
-        return syncfree.AdamW(groups, **kwargs)
-    return torch.optim.AdamW(groups, **kwargs)
+    """AdamW for the backend: torch's on eager backends, `XlaAdamW` on XLA."""
+    return (XlaAdamW if world.is_xla else torch.optim.AdamW)(groups, **kwargs)
 
 
-def init_optimizer_state(world: World, optimizer: torch.optim.Optimizer) -> None:
-    """Create AdamW's state before the first step, exactly as its lazy init would (torch
-    optim/adam.py `_init_group`; torch_xla amp/syncfree/adamw.py), filling only missing keys so a
-    state loaded from another backend's checkpoint is completed, not replaced.
+class XlaAdamW(torch.optim.AdamW):
+    """AdamW on XLA: torch_xla's sync-free update, one fused op per tensor, skipped in the graph
+    when `found_inf` is nonzero (torch_xla amp/syncfree/adamw.py; torch's AdamW on XLA traces
+    several in-place ops per tensor: measured 0.19 vs 0.10 s of host time per step on tiny).
+
+    The moments and the update are fp32 whatever the weights' dtype. The fused op computes in its
+    parameter's dtype, so bf16 weights are updated through an fp32 copy and rounded back once
+    (stochastic rounding on Trainium): the Neuron BERT sample's default optimizer, which converts
+    the gradients to fp32 and keeps fp32 state. A bf16 update would round beta2 = 0.999 to 1.0
+    (the second moment never moves, its bias correction divides by zero). docs/training.md,
+    "Precision"."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None, found_inf: torch.Tensor | None = None) -> None:
+        from torch_xla.amp.syncfree import _functional as syncfree
+
+        assert closure is None, "XlaAdamW.step takes no closure"
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            if found_inf is None:
+                found_inf = torch.zeros((), dtype=torch.float32, device=params[0].device)
+            states = [self.state[p] for p in params]
+            fp32 = [p.float() for p in params]  # the parameter itself when it is fp32
+            beta1, beta2 = group["betas"]
+            syncfree.adam_step(
+                found_inf, [s["step"] for s in states], fp32, [p.grad.float() for p in params],
+                [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                [s["max_exp_avg_sq"] for s in states], amsgrad=False, beta1=beta1, beta2=beta2,
+                lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+                use_adamw=True)
+            for param, updated in zip(params, fp32):
+                if updated is not param:
+                    param.copy_(updated)
+
+
+def _saved_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Each parameter's entry of a saved optimizer `state_dict` (matched by position, as torch
+    does), or empty entries without one."""
+    if saved is None:
+        return [{} for group in optimizer.param_groups for _ in group["params"]]
+    return [saved["state"].get(i, {}) for group in saved["param_groups"] for i in group["params"]]
+
+
+def init_optimizer_state(world: World, optimizer: torch.optim.Optimizer, saved: dict[str, Any] | None = None) -> None:
+    """Create AdamW's state before the first step, as its lazy init would (torch optim/adam.py
+    `_init_group`; torch_xla amp/syncfree/adamw.py), with fp32 moments (`XlaAdamW` updates bf16
+    weights through fp32) and the step counts of `saved` (an optimizer state_dict), if given.
 
     Without this, step 1 traces an optimizer graph that creates the state and step 2 one that
-    reads it: two graphs for the same work, and with several length buckets the second may not
-    appear until late in the run."""
+    reads it: two graphs for the same work. On XLA the counts come from one uploaded vector,
+    fresh or resumed: equal scalars uploaded one by one share a device buffer, and a graph with
+    one input for all of them would be a graph the compile step never traced."""
+    counts = [float(entry.get("step", 0)) for entry in _saved_state(optimizer, saved)]
+    uploaded = torch.tensor(counts, dtype=torch.float32).to(world.device) if world.is_xla else None
+    index = 0
     for group in optimizer.param_groups:
-        on_device = world.is_xla or group.get("capturable") or group.get("fused")
+        on_device = group.get("capturable") or group.get("fused")
         for param in group["params"]:
-            state = optimizer.state[param]
-            if "step" not in state:
-                state["step"] = torch.zeros((), dtype=torch.float32, device=param.device if on_device else "cpu")
-            elif world.is_xla:
-                state["step"] = state["step"].to(param.device)
+            state = optimizer.state[param] = {}
+            state["step"] = uploaded[index].clone() if world.is_xla else torch.tensor(
+                counts[index], dtype=torch.float32, device=param.device if on_device else "cpu")
             for key in ("exp_avg", "exp_avg_sq"):
-                if key not in state:
-                    state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            if world.is_xla and "max_exp_avg_sq" not in state:
+                state[key] = torch.zeros_like(param, dtype=torch.float32, memory_format=torch.preserve_format)
+            if world.is_xla:
                 state["max_exp_avg_sq"] = torch.empty(0, dtype=torch.float32, device=param.device)
+            index += 1
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """Copy the moments and hyperparameters of `saved` into the state `init_optimizer_state(...,
+    saved)` made, in place, once that state exists on the device.
+
+    torch's `load_state_dict` would replace the tensors: with new ones cast to the parameter's
+    dtype (torch/optim/optimizer.py `_process_value_according_to_param_policy`: bf16 moments for
+    bf16 weights), created in another order than a fresh run's. On XLA a graph's inputs and
+    outputs follow tensor creation order, so the resumed run's step graphs would differ from the
+    ones `compile` traced. Copying in place keeps dtype, device and order."""
+    fresh = [optimizer.state[p] for group in optimizer.param_groups for p in group["params"]]
+    optimizer.load_state_dict({"state": {}, "param_groups": saved["param_groups"]})  # checks the groups match
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for param, state, entry in zip(params, fresh, _saved_state(optimizer, saved)):
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in entry:
+                state[key].copy_(entry[key])
+        optimizer.state[param] = state
 
 
 def reduce_gradients(world: World, optimizer: torch.optim.Optimizer) -> None:
@@ -279,8 +393,6 @@ def optimizer_step(world: World, optimizer: torch.optim.Optimizer, found_inf: to
     read the loss before the step. Eager backends
     check on the host before calling this, so `found_inf` must be None there."""
     if world.is_xla:
-        if found_inf is None:
-            found_inf = torch.zeros((), dtype=torch.float32, device=world.device)
         optimizer.step(found_inf=found_inf)
     else:
         assert found_inf is None, "eager optimizers cannot skip in-graph; check the loss on the host"

@@ -137,7 +137,7 @@ def _dense(directory: Path, layer: torch.nn.Linear, activation: str) -> None:
 
 def write_tower(directory: Path, model: torch.nn.Module, head: torch.nn.Sequential, tokenizer_json: str,
                 max_length: int) -> None:
-    """A sentence-transformers folder: encoder -> mean pool -> head (Linear, GELU, [Dropout], Linear) -> L2."""
+    """A sentence-transformers folder: encoder -> mean pool -> head (each Linear a Dense) -> L2."""
     from safetensors.torch import save_file
 
     cfg: ModelConfig = model.cfg
@@ -158,13 +158,17 @@ def write_tower(directory: Path, model: torch.nn.Module, head: torch.nn.Sequenti
         "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False,
         "pooling_mode_mean_sqrt_len_tokens": False, "pooling_mode_weightedmean_tokens": False,
         "pooling_mode_lasttoken": False, "include_prompt": True})
-    first, last = head[0], head[-1]
-    _dense(directory / "2_Dense", first, GELU)  # head = Linear, GELU, Dropout (identity at inference), Linear
-    _dense(directory / "3_Dense", last, IDENTITY)
-    (directory / "4_Normalize").mkdir()
-    modules = [("", "sentence_transformers.models.Transformer"), ("1_Pooling", "sentence_transformers.models.Pooling"),
-               ("2_Dense", "sentence_transformers.models.Dense"), ("3_Dense", "sentence_transformers.models.Dense"),
-               ("4_Normalize", "sentence_transformers.models.Normalize")]
+    modules = [("", "sentence_transformers.models.Transformer"), ("1_Pooling", "sentence_transformers.models.Pooling")]
+    # The head: Linear, GELU, Dropout (the identity at inference), Linear; or one Linear.
+    layers = list(head)
+    for i, layer in enumerate(layers):
+        if isinstance(layer, torch.nn.Linear):
+            followed_by_gelu = i + 1 < len(layers) and isinstance(layers[i + 1], torch.nn.GELU)
+            path = f"{len(modules)}_Dense"
+            _dense(directory / path, layer, GELU if followed_by_gelu else IDENTITY)
+            modules.append((path, "sentence_transformers.models.Dense"))
+    modules.append((f"{len(modules)}_Normalize", "sentence_transformers.models.Normalize"))
+    (directory / modules[-1][0]).mkdir()
     _write_json(directory / "modules.json", [{"idx": i, "name": str(i), "path": path, "type": kind}
                                              for i, (path, kind) in enumerate(modules)])
 

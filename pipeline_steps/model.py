@@ -157,10 +157,26 @@ def _trim_trailing_padding(ids: torch.Tensor, keep: torch.Tensor) -> tuple[torch
     return (ids, keep) if width == ids.shape[1] else (ids[:, :width], keep[:, :width])
 
 
-def _mlp(in_features: int, hidden: int, out_features: int, dropout: float) -> nn.Sequential:
-    return nn.Sequential(
-        nn.Linear(in_features, hidden), nn.GELU(), nn.Dropout(dropout), nn.Linear(hidden, out_features)
-    )
+def _head(in_features: int, cfg: ModelConfig) -> nn.Sequential:
+    """A tower's head over [pooled text | features]: Linear, GELU, Dropout, Linear ("mlp"), or one
+    Linear ("linear", see `_identity_on_text`)."""
+    if cfg.head == "linear":
+        return nn.Sequential(nn.Linear(in_features, cfg.embedding_dim))
+    return nn.Sequential(nn.Linear(in_features, cfg.mlp_hidden), nn.GELU(), nn.Dropout(cfg.dropout),
+                         nn.Linear(cfg.mlp_hidden, cfg.embedding_dim))
+
+
+@torch.no_grad()
+def _identity_on_text(head: nn.Sequential, hidden_size: int) -> None:
+    """Start a linear head as [I | 0]: the pooled text passes unchanged and the explicit features
+    add nothing yet, so the normalised output is the encoder's mean-pooled, normalised embedding
+    (what sentence-transformers computes for a mean-pooling model) until training moves it. The
+    features' columns start at zero, not random: the gradient reaches them from step 1, but
+    they cannot drown the text before the model has learned what they mean."""
+    linear = head[0]
+    linear.weight.zero_()
+    linear.weight[:, :hidden_size].copy_(torch.eye(hidden_size))
+    linear.bias.zero_()
 
 
 # ----------------------------------------------------------------------------- the two towers
@@ -172,16 +188,19 @@ class EmbeddingModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.encoder = TextEncoder(cfg)
-        self.query_head = _mlp(cfg.hidden_size, cfg.mlp_hidden, cfg.embedding_dim, cfg.dropout)
+        self.query_head = _head(cfg.hidden_size, cfg)
         # One table per categorical feature; index 0 is "unknown" and is a learned vector
         # (unknown carries information, unlike padding).
         self.categorical = nn.ModuleList(
             nn.Embedding(card, categorical_embedding_dim(card)) for card in cfg.categorical_cardinalities
         )
         fused = cfg.hidden_size + cfg.num_numeric + sum(e.embedding_dim for e in self.categorical)
-        self.product_head = _mlp(fused, cfg.mlp_hidden, cfg.embedding_dim, cfg.dropout)
+        self.product_head = _head(fused, cfg)
         self.classifier = nn.Linear(cfg.embedding_dim, cfg.num_classes) if cfg.num_classes > 0 else None
         self.apply(self._init_weights)
+        if cfg.head == "linear":
+            _identity_on_text(self.query_head, cfg.hidden_size)
+            _identity_on_text(self.product_head, cfg.hidden_size)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

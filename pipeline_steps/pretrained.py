@@ -230,8 +230,10 @@ def staged_dir(prepared: Path) -> Path | None:
 
 
 def encoder_config(prepared: Path, base: ModelConfig) -> ModelConfig:
-    """`base` (preset + data) with the encoder's shape taken from the staged BERT, if any. The
-    preset still decides the embedding size, the fusion MLP and dropout."""
+    """`base` (preset + data) with the encoder's shape taken from the staged BERT, if any, and
+    linear heads that start as the identity (so the embedding size is the encoder's width): before
+    its first step the model embeds exactly as the encoder with mean pooling does. The preset still
+    decides dropout and the data shapes."""
     source = staged_dir(prepared)
     if source is None:
         return base
@@ -246,7 +248,7 @@ def encoder_config(prepared: Path, base: ModelConfig) -> ModelConfig:
         base, vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
         num_layers=config["num_hidden_layers"], num_heads=config["num_attention_heads"],
         intermediate_size=config["intermediate_size"], layer_norm_eps=float(config.get("layer_norm_eps", 1e-12)),
-        norm_position="post")
+        norm_position="post", head="linear", embedding_dim=config["hidden_size"])
 
 
 def encoder_state(weights: dict[str, torch.Tensor], num_layers: int, max_positions: int) -> dict[str, torch.Tensor]:

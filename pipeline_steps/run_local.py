@@ -2,12 +2,12 @@
 
     prepare -> sanity (2 gloo processes) -> compile -> train -> validate (+ gate) -> embed
 
-Input: --data (the upload layout) or the bundled demo data. Multi-rank steps run under torchrun, so
-a step that works here works there. Writes every step's outputs under DIR and DIR/report.json.
-Stops at the first failing step with its exit code (a failed gate stops before embed, as the state
-machine does); exit 78 for a run dir of another preset or backend.
+Input: --data (the upload layout) or the bundled demo data; multi-rank steps run under torchrun.
+Writes every step's outputs under DIR and DIR/report.json. Stops at the first failing step with its
+exit code (a failed gate stops before embed, as on AWS); exit 78 for a run dir of another preset or backend.
 
 Local:  python -m pipeline_steps run-local --run-dir runs/demo-small-cpu --preset small --backend cpu
+BERT:   python -m pipeline_steps run-local --run-dir runs/minilm --preset small --pretrained models/all-MiniLM-L6-v2
 XLA:    PJRT_DEVICE=CPU python -m pipeline_steps run-local --run-dir runs/xla --preset tiny --backend xla
 AWS:    the state machine runs the same step commands as Batch jobs (docs/orchestration.md).
 """
@@ -50,14 +50,17 @@ class StepRun:
 RUN_IDENTITY = "run-local.json"
 
 
-def claim_run_dir(run_dir: Path, preset: str, backend: str) -> None:
-    """Refuse a run dir that holds another preset's or backend's run, before any step starts.
+def claim_run_dir(run_dir: Path, preset: str, backend: str, pretrained: Path | None = None) -> None:
+    """Refuse a run dir that holds another preset's, backend's or starting encoder's run, before
+    any step starts.
 
     Every step resumes or skips what its run dir already holds, so a second run with another
-    preset would find the first one's checkpoint (train exits 78 on the model shape) and one with
-    another backend would skip training altogether. The first run-local writes DIR/run-local.json;
-    runs made before it existed are recognised by their report.json.
+    preset (or from another pretrained encoder, or none) would find the first one's checkpoint
+    (train exits 78 on the model shape) and one with another backend would skip training
+    altogether. The first run-local writes DIR/run-local.json; runs made before it existed are
+    recognised by their report.json.
     """
+    start = str(pretrained.resolve()) if pretrained else None
     for name in (RUN_IDENTITY, "report.json"):
         previous = _maybe(run_dir / name)
         if previous is None:
@@ -68,9 +71,13 @@ def claim_run_dir(run_dir: Path, preset: str, backend: str) -> None:
                 f"{run_dir} holds a run of preset {theirs[0]!r} on backend {theirs[1]!r}, not {preset!r} on "
                 f"{backend!r}; pass another --run-dir (e.g. runs/demo-{preset}-{backend}; `make demo` picks "
                 "one per preset and backend) or delete the old one")
+        if previous.get("pretrained") != start:
+            raise BadConfigError(
+                f"{run_dir} holds a run that started from {previous.get('pretrained') or 'scratch'}, not from "
+                f"{start or 'scratch'}; pass another --run-dir or delete the old one")
         break
     run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(run_dir / RUN_IDENTITY, {"preset": preset, "backend": backend})
+    atomic_write_json(run_dir / RUN_IDENTITY, {"preset": preset, "backend": backend, "pretrained": start})
 
 
 def _python_step(step: str, *args: str) -> list[str]:
@@ -87,6 +94,7 @@ def plan(args: argparse.Namespace) -> list[StepRun]:
     common = ["--run-dir", run_dir]
     source = ["--data", str(args.data)] if args.data else ["--demo"]
     init = ["--init-from", str(args.init_from)] if args.init_from else []
+    start = ["--pretrained", str(args.pretrained)] if args.pretrained else []
     train_args = [*common, "--preset", preset, "--backend", backend, "--no-progress", *init]
     if args.max_steps is not None:
         train_args += ["--max-steps", str(args.max_steps)]
@@ -97,7 +105,7 @@ def plan(args: argparse.Namespace) -> list[StepRun]:
     validate = _python_step("validate", *common, "--backend", "cpu",
                             *(["--previous-metrics", str(args.previous_metrics)] if args.previous_metrics else []))
     steps = [
-        StepRun("prepare", _python_step("prepare", *common, *source, "--preset", preset, *init)),
+        StepRun("prepare", _python_step("prepare", *common, *source, "--preset", preset, *init, *start)),
         StepRun("sanity", _torchrun_step(args.nproc, "sanity", *common, "--backend", "cpu")),
         StepRun("compile", _python_step("compile", *train_args)),
         StepRun("train", train),
@@ -197,13 +205,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="cpu", choices=("cpu", "xla"))
     parser.add_argument("--data", type=Path, default=None, help="input in the upload layout (default: demo data)")
     parser.add_argument("--init-from", type=Path, default=None, help="incremental: previous run dir or checkpoint")
+    parser.add_argument("--pretrained", type=Path, default=None,
+                        help="start the encoder from this local Hugging Face BERT directory (docs/training.md)")
     parser.add_argument("--previous-metrics", type=Path, default=None,
                         help="the production model's gate.json/metrics.json for the quality gate")
     parser.add_argument("--nproc", type=int, default=2, help="processes for sanity and eager DDP training")
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--embed-shards", type=int, default=2, help="embed shards (array children on AWS)")
     args = parser.parse_args(argv)
-    claim_run_dir(args.run_dir, args.preset, args.backend)
+    claim_run_dir(args.run_dir, args.preset, args.backend, args.pretrained)
     env = dict(os.environ)
     if args.backend == "xla":
         env.setdefault("PJRT_DEVICE", "CPU")
@@ -218,11 +228,12 @@ def main(argv: list[str] | None = None) -> int:
                 later.status = "not_run"
             break
     report = build_report(args.run_dir, steps, args.backend, args.preset)
+    report["pretrained"] = str(args.pretrained.resolve()) if args.pretrained else None
     # ---- cost + tracking: the same cost fields as on AWS (compute price 0 here, durations real);
     # the run-wide outcome on the parent MLflow run in DIR/mlruns (never fails the run)
     report["cost"] = cost.local_cost([(s.name, s.seconds) for s in steps])
     report["mlflow"] = {"tracking_uri": tracking.tracking_uri(args.run_dir), "run_id": tracking.log_pipeline(
-        args.run_dir, params={"preset": args.preset, "backend": args.backend},
+        args.run_dir, params={"preset": args.preset, "backend": args.backend, "pretrained": report["pretrained"]},
         metrics={**(report["validation"]["metrics"] or {}), "cost_usd": report["cost"]["total_usd"],
                  "seconds": report["cost"]["seconds"]},
         status="FINISHED" if report["passed"] else "FAILED", report=report)}

@@ -51,6 +51,7 @@ REDUCE_SCATTER_NUMEL = 1024  # per rank (the input is world_size times this)
 TOOL_TIMEOUT_S = 120.0
 NCCOM_TIMEOUT_S = 600.0
 PROBE_BYTES = 1 << 20
+ROOT_COMM_ENV = "NEURON_RT_ROOT_COMM_ID"  # the collectives' bootstrap address (training_image/entrypoint.sh)
 INFINIBAND_DIR = Path("/dev/infiniband")  # where the job definition maps the EFA uverbs devices
 NEURON_DEV_DIR = Path("/dev")  # /dev/neuron0..N-1, also mapped by the job definition
 
@@ -235,8 +236,10 @@ class HostChecks:
     def _timeout(self, cap: float) -> float:
         return max(1.0, min(cap, self.deadline - time.monotonic()))
 
-    def _run_tool(self, argv: list[str], cap: float) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=self._timeout(cap), check=False)
+    def _run_tool(self, argv: list[str], cap: float,
+                  env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=self._timeout(cap), check=False,
+                              env=None if env is None else dict(env))
 
     def run_all(self) -> None:
         r = self.report
@@ -352,7 +355,7 @@ class HostChecks:
         # --check verifies values and works only with fp32; 32 MiB is the tool's default size.
         argv = [tool, "-r", str(cores), "-b", "32M", "-e", "32M", "-d", "fp32",
                 "-n", str(max(self.iterations, 5)), "--check", "allr"]
-        proc = self._run_tool(argv, NCCOM_TIMEOUT_S)
+        proc = self._run_tool(argv, NCCOM_TIMEOUT_S, env={**os.environ, ROOT_COMM_ENV: own_root_comm_id()})
         parsed = parse_nccom_output(proc.stdout + "\n" + proc.stderr)
         if proc.returncode != 0 or parsed["errors"] or not parsed["rows"]:
             return Check(name, FAILED, expected="exit 0, correctness check passed",
@@ -366,6 +369,17 @@ class HostChecks:
         ok = busbw >= self.bandwidth_floor
         return Check(name, PASSED if ok else FAILED, expected=f">= {self.bandwidth_floor:g} GB/s bus bandwidth",
                      actual=actual, detail=f"{cores} ranks, 32 MiB fp32 all-reduce")
+
+
+def own_root_comm_id() -> str:
+    """Where a one-node nccom-test bootstraps its ranks: this host, on a free port. The entrypoint
+    exports the main node's address in NEURON_RT_ROOT_COMM_ID for training; inherited, it would
+    send every node's test to the main node. The nccom-test guide sets the variable to the address
+    of the instance the test runs on, and only for multi-node runs
+    (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/tools/neuron-sys-tools/nccom-test.html)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{probe.getsockname()[1]}"
 
 
 HOST_CHECKS = ("neuron_devices", "efa_devices", "efa_provider", "fsx_mount", "fsx_writable", "nccom_all_reduce")

@@ -36,7 +36,6 @@ def main(argv: list[str] | None = None) -> int:
     add_train_args(parser)
     args = parser.parse_args(argv)
     cfg = resolve_train_config(args)
-    dist_lib.configure_neuron_cache()  # the same versioned cache `compile` filled (Trainium only)
     world = dist_lib.init(args.backend or dist_lib.default_backend())
     try:
         if world.is_xla:
@@ -50,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
                      trainer.steps_per_epoch, world.backend, world.world_size)
         # The first steps compile (minutes on Neuron without a warm cache): a longer first bound.
         with Watchdog(cfg.stall_timeout_s, "training step", startup_timeout_s=2 * cfg.stall_timeout_s) as watchdog, \
-                dist_lib.peer_failures_are_retryable(world, "training"):
+                dist_lib.transient_faults_are_retryable(world, "training"):
             summary = run_training(trainer, progress=not args.no_progress,
                                    heartbeat=Heartbeat() if world.is_main else None, watchdog=watchdog,
                                    stream=tracking.MetricStream("train", args.run_dir, every=cfg.log_every,
@@ -62,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             tracking.log_step(
                 "train", args.run_dir, params={"preset": args.preset, "backend": world.backend,
                                                "world_size": world.world_size, "init_from": args.init_from},
-                metrics=tracking.flatten(summary), config={"train": to_dict(cfg)},
+                metrics=tracking.flatten(summary), config={"train": to_dict(trainer.cfg)},
                 history=tracking.jsonl_history(args.run_dir / TRAIN_METRICS, STREAMED_METRICS))
     finally:
         dist_lib.shutdown()

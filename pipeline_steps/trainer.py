@@ -19,8 +19,8 @@ from typing import Any, Iterator
 import torch
 
 from . import checkpoint, data as data_lib, distributed as dist_lib, pretrained, tracking
-from .config import DataConfig, ModelConfig, TrainConfig, from_dict, get_preset, to_dict
-from .contract import TRAIN_DIR, TRAIN_METRICS, TRAIN_SUMMARY
+from .config import PRETRAINED_TRAIN, DataConfig, ModelConfig, TrainConfig, from_dict, get_preset, to_dict
+from .contract import PREPARED_DIR, TRAIN_DIR, TRAIN_METRICS, TRAIN_SUMMARY
 from .errors import BadConfigError, NonFiniteLossError
 from .fileio import append_jsonl, atomic_write_json, sha256_file
 from .heartbeat import Heartbeat
@@ -45,19 +45,28 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=int, default=None)
     parser.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps (0 = all epochs)")
     parser.add_argument("--lr", type=float, default=None)
+    parser.add_argument("--encoder-lr", type=float, default=None,
+                        help="learning rate of the text encoder (default: --lr; a run from a pretrained "
+                             "encoder has its own defaults, see docs/training.md)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--checkpoint-every", type=int, default=None)
     parser.add_argument("--log-every", type=int, default=None)
-    parser.add_argument("--bf16", action="store_true", default=None, help="bfloat16 weights (xla backend)")
+    parser.add_argument("--bf16", action="store_true", default=None,
+                        help="bfloat16 weights, fp32 optimizer state (xla backend; production's precision)")
     parser.add_argument("--stall-timeout-s", type=float, default=None,
                         help="exit with the retryable code when no step completes for this long")
     parser.add_argument("--no-progress", action="store_true", help="plain log lines even on a terminal")
 
 
 def resolve_train_config(args: argparse.Namespace) -> TrainConfig:
+    """The preset's TrainConfig, with PRETRAINED_TRAIN over it when the run dir was prepared with
+    --pretrained, and the command's flags over both."""
     base = get_preset(args.preset).train
+    if pretrained.staged_dir(args.run_dir / PREPARED_DIR) is not None:
+        base = dataclasses.replace(base, **PRETRAINED_TRAIN)
+        log.info("the run starts from a pretrained encoder: training defaults %s", PRETRAINED_TRAIN)
     overrides = {name: getattr(args, name) for name in (
-        "epochs", "max_steps", "lr", "seed", "checkpoint_every", "log_every", "bf16", "stall_timeout_s")
+        "epochs", "max_steps", "lr", "encoder_lr", "seed", "checkpoint_every", "log_every", "bf16", "stall_timeout_s")
         if getattr(args, name, None) is not None}
     return dataclasses.replace(base, **overrides)
 
@@ -153,6 +162,9 @@ class Trainer:
         self.steps_per_epoch = self.batches.num_batches()
         planned = self.steps_per_epoch * cfg.epochs
         self.total_steps = min(planned, cfg.max_steps) if cfg.max_steps else planned
+        if cfg.warmup_fraction > 0:  # a share of this run's steps, stored in checkpoints as resolved
+            warmup = max(1, round(cfg.warmup_fraction * self.total_steps))
+            cfg = self.cfg = dataclasses.replace(cfg, warmup_steps=warmup)
         self.tokenizer_sha = sha256_file(self.prepared.tokenizer_path)
 
         dist_lib.seed_everything(cfg.seed)
@@ -169,15 +181,18 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg, world)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, cfg, self.total_steps))
-        if resume is not None:
-            self.optimizer.load_state_dict(self._resume_state["optimizer"])
-            self.scheduler.load_state_dict(self._resume_state["scheduler"])
-            self._resume_state = None  # free the CPU copy
-        dist_lib.init_optimizer_state(world, self.optimizer)
+        saved = self._resume_state["optimizer"] if resume is not None else None
+        dist_lib.init_optimizer_state(world, self.optimizer, saved)
         # XLA: 1 once any step's loss was non-finite; from then on every update is skipped in the
         # graph, so the weights stay those before that step until the host reads the loss and stops.
         self._halted = torch.zeros((), dtype=torch.float32, device=world.device) if world.is_xla else None
-        dist_lib.mark_step(world)  # the state's zeros are their own small graph, not part of step 1
+        # The state is its own small graph, not part of step 1, and the same graph when resuming:
+        # the saved moments are copied in after it ran (no graph).
+        dist_lib.mark_step(world)
+        if saved is not None:
+            dist_lib.load_optimizer_state(self.optimizer, saved)
+            self.scheduler.load_state_dict(self._resume_state["scheduler"])
+            self._resume_state = None  # free the CPU copy
         self.xla = XlaAccounting(world, num_shapes=len(self.batches.first_batch_per_bucket()))
 
     # -- weights in ----------------------------------------------------------------------------
@@ -214,20 +229,13 @@ class Trainer:
 
     # -- one step --------------------------------------------------------------------------------
 
-    def _reseed(self, step: int) -> None:
-        # Dropout masks become a function of (seed, rank, step): identical whether or not the run
-        # was interrupted. On XLA the device RNG is seeded once instead: reseeding would be a host
-        # round trip per step.
-        if not self.world.is_xla:
-            torch.manual_seed((self.cfg.seed * 1_000_003 + self.world.rank * 7919 + step) % 2**63)
-
     def train_step(self, batch: dict[str, torch.Tensor]) -> StepOutput:
         """One optimizer step on a device batch; the loss in the output is the mean over workers.
 
         Eager: the loss is read and checked before the update. XLA: nothing is read on the host
         (that would stall tracing of the next step until this one ran); a non-finite loss skips
         the update on the device, and `checked_values` raises when the loop reads it."""
-        self._reseed(self.state.step)
+        dist_lib.seed_step(self.world, self.cfg.seed, self.state.step)  # dropout masks
         self.model.train()
         loss, parts = training_loss(self.model, batch, self.cfg)
         loss.backward()

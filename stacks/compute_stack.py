@@ -12,7 +12,7 @@ from aws_cdk import CfnOutput, Duration, Stack
 from aws_cdk import aws_ecs as ecs
 from constructs import Construct
 
-from pipeline_steps.contract import COMPILE_CACHE_BASE_ENV, RDZV_TIMEOUT_ENV, STAGE_ENV
+from pipeline_steps.contract import COMPILE_CACHE_BASE_ENV, RDZV_TIMEOUT_ENV, RUNS_PREFIX, STAGE_ENV
 from stacks.config import StageConfig
 from stacks.constructs.job_definitions import JobDefinitions
 from stacks.constructs.log_encryption import log_encryption_key
@@ -22,6 +22,9 @@ from stacks.constructs.trainium_compute import TrainiumCompute
 from stacks.constructs.training_image import training_image_asset
 from stacks.network_stack import NetworkStack
 from stacks.storage_stack import StorageStack
+
+# The Neuron compile cache's prefix in the cache bucket (NEURON_COMPILE_CACHE_URL_BASE).
+COMPILE_CACHE_PREFIX = "neuron"
 
 
 class ComputeStack(Stack):
@@ -81,9 +84,13 @@ class ComputeStack(Stack):
         self.job_role = self.jobs.job_role
         self.job_log_group = self.jobs.log_group
 
-        # Least privilege through grants (KMS decrypt/encrypt on the key comes with them).
-        self.jobs.grant_bucket_access(read=[storage.data_bucket],
-                                      read_write=[storage.artifacts_bucket, storage.cache_bucket])
+        # Least privilege through grants (KMS decrypt/encrypt on the key comes with them). Steps write
+        # only below runs/ (validate's gate report, export's upload); models/current.json is written
+        # by the pipeline's Publish state alone.
+        self.jobs.grant_bucket_access(
+            read=[(storage.data_bucket, "*"), (storage.artifacts_bucket, "*")],
+            read_write=[(storage.artifacts_bucket, f"{RUNS_PREFIX}*"),
+                        (storage.cache_bucket, f"{COMPILE_CACHE_PREFIX}/*")])
         if self.mlflow is not None:
             self.mlflow.grant_access(self.job_role)
 
@@ -119,7 +126,7 @@ class ComputeStack(Stack):
             short_timeout=Duration.hours(cfg.short_attempt_timeout_hours),
             environment={
                 STAGE_ENV: config.name,
-                COMPILE_CACHE_BASE_ENV: storage.cache_bucket.s3_url_for_object("neuron"),
+                COMPILE_CACHE_BASE_ENV: storage.cache_bucket.s3_url_for_object(COMPILE_CACHE_PREFIX),
                 # torchrun's rendezvous waits as long as a child node may take to start
                 # (training_image/entrypoint.sh); the same startup budget as the state timeouts.
                 RDZV_TIMEOUT_ENV: str(config.pipeline.startup_minutes * 60),

@@ -214,9 +214,9 @@ class ComputeConfig:
     Neuron driver is too old for the training image (the ECS Neuron AMIs built from 20251015 to
     ~2026-01 pinned driver 2.21) shuts itself down before the ECS agent starts, so no job ever
     runs on it -- jobs wait RUNNABLE instead, and the queue's time limit cancels and reports them."""
-    min_neuron_driver_version: str = "2.27"
-    """User data refuses hosts with an older aws-neuronx-dkms: the DLC's runtime 2.32 does not work
-    with driver <= 2.26 (ECS AMIs 20251015..~2026-01 pinned 2.21)."""
+    min_neuron_driver_version: str = contract.NEURON_SDK.driver
+    """User data refuses hosts with an older aws-neuronx-dkms: the driver of the Neuron SDK release
+    the training image comes from (contract.NEURON_SDK; ECS AMIs 20251015..~2026-01 pinned 2.21)."""
     root_volume_gib: int = 200
     """gp3 root volume; the Neuron DLC alone is tens of GB and the ECS AMI default is 30 GB."""
     root_volume_throughput_mibps: int = 1000
@@ -393,6 +393,9 @@ def load_pinned_amis(path: Path = PINNED_AMIS_FILE) -> Mapping[str, str]:
                                                   for k in ("image_id", "image_name", "pinned_at")):
             raise ValueError(f"{path}: entry {region!r} needs non-empty image_id, image_name and pinned_at; "
                              f"rerun scripts/infra_pin_ami.sh {region}.")
+        problem = contract.ami_driver_problem(entry["image_name"])
+        if problem:
+            raise ValueError(f"{path}: {region}: {problem}: rerun scripts/infra_pin_ami.sh {region}.")
         pins[region] = entry["image_id"]
     return MappingProxyType(pins)
 
@@ -424,10 +427,11 @@ class TrainingConfig:
     https://awsdocs-neuron.readthedocs-hosted.com/en/latest/general/arch/neuron-features/rounding-modes.html
     https://awsdocs-neuron.readthedocs-hosted.com/en/latest/general/arch/neuron-hardware/trn1-arch.html
     https://awsdocs-neuron.readthedocs-hosted.com/en/latest/compiler/index.html"""
-    neuron_cc_flags: str = "--target trn1 --model-type transformer --optlevel 1"
-    """NEURON_CC_FLAGS of Compile and Train (the same string, or the cache misses): the trn1
-    instance family, transformer-specific optimisations, optimisation level 1 ("core performance
-    optimizations ... while also minimizing compile time"; the default is 2).
+    neuron_cc_flags: str = "--model-type transformer --optlevel 1"
+    """NEURON_CC_FLAGS of Compile and Train (the same string, or the cache misses), after the
+    `--target` the training instance type decides (`compiler_flags`): transformer-specific
+    optimisations, optimisation level 1 ("core performance optimizations ... while also minimizing
+    compile time"; the default is 2).
     https://awsdocs-neuron.readthedocs-hosted.com/en/latest/compiler/neuronx-cc/api-reference-guide/neuron-compiler-cli-reference-guide.html"""
 
     def __post_init__(self) -> None:
@@ -442,6 +446,9 @@ class TrainingConfig:
                 "versioned compile cache (NEURON_COMPILE_CACHE_URL, from the cache bucket) that Compile "
                 "fills and Train reads; remove it."
             )
+        if "--target" in self.neuron_cc_flags:
+            raise ValueError(f"TrainingConfig.neuron_cc_flags={self.neuron_cc_flags!r} must not set --target: the "
+                             "job definitions add the training instance type's target (trn1 or trn1n); remove it.")
         if any(ch in self.neuron_cc_flags for ch in "\"'$`\n"):
             raise ValueError(f"TrainingConfig.neuron_cc_flags={self.neuron_cc_flags!r}: plain flags only "
                              "(no quotes, $, backquotes or newlines); the value is passed as is.")
@@ -449,6 +456,10 @@ class TrainingConfig:
     @property
     def bf16(self) -> bool:
         return self.precision == "bf16"
+
+    def compiler_flags(self, instance: InstanceSpec) -> str:
+        """NEURON_CC_FLAGS for graphs run on `instance`: its compiler target, then neuron_cc_flags."""
+        return f"--target {instance.compiler_target} {self.neuron_cc_flags}".strip()
 
 
 # ---------------------------------------------------------------------------------------------

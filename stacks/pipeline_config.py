@@ -65,10 +65,8 @@ class PipelineConfig:
     main node's container is up): the child nodes boot, pull the training image, join torchrun's
     rendezvous, and the first graphs load from the compile cache. One value drives three settings:
     the torchrun rendezvous timeout of the multi-node job definitions (env
-    TORCHRUN_RDZV_TIMEOUT_SECONDS), the stall watchdog's grace period (no job is terminated for
-    missing heartbeats before it), and the startup share of every Batch state's timeout
-    (`state_timeout`). Must not exceed `stall_timeout_minutes`, so that a job whose heartbeat stops
-    is always terminated within stall_timeout + 5 minutes of its last heartbeat."""
+    TORCHRUN_RDZV_TIMEOUT_SECONDS), part of the stall watchdog's `first_heartbeat_minutes`, and the
+    startup share of every Batch state's timeout (`state_timeout`)."""
 
     # -- Retries of Batch API errors only    # -- Retries of Batch API errors only (host/exit-code retries are the job definitions') ---
     retry_interval_seconds: int = 5
@@ -89,7 +87,15 @@ class PipelineConfig:
     stall_timeout_minutes: int = 30
     """Minutes without a training-progress heartbeat (metric TrainStep) before the stall alarm
     fires and the running Train job is terminated. 30 as in M5; must exceed the longest honest
-    gap between heartbeats (first-step graph compilation when the cache is cold)."""
+    gap between heartbeats (first-step graph compilation when the cache is cold). The alarm is put
+    on the job's first heartbeat, so no job is terminated for a slow start (`first_heartbeat_minutes`)."""
+
+    first_heartbeat_minutes: int = 120
+    """Bound from the train job's RUNNING to its first heartbeat. A job that reaches it without one is
+    terminated by the stall watchdog (its process is too frozen to exit). Must cover startup_minutes
+    (rendezvous), the data and model load, and the in-process watchdog's first-step allowance (2 x
+    train --stall-timeout-s, default 1800 s), which exits 75 first, so that Batch retries the job:
+    at least startup_minutes + 2 x stall_timeout_minutes."""
 
     # -- Triggers ------------------------------------------------------------------------
     trigger_enabled: bool = True
@@ -186,12 +192,12 @@ class PipelineConfig:
                 f"PipelineConfig.stall_timeout_minutes={self.stall_timeout_minutes}: use 5..1440; the heartbeat "
                 "is per step, so anything below the slowest step's duration kills healthy jobs."
             )
-        if self.startup_minutes > self.stall_timeout_minutes:
+        least = self.startup_minutes + 2 * self.stall_timeout_minutes
+        if not least <= self.first_heartbeat_minutes <= 24 * 60:
             raise ValueError(
-                f"PipelineConfig.startup_minutes={self.startup_minutes} exceeds stall_timeout_minutes="
-                f"{self.stall_timeout_minutes}: the watchdog arms at the startup bound, so a job whose heartbeat "
-                "stopped early would be terminated later than stall_timeout + 5 minutes. Raise "
-                "stall_timeout_minutes (the first step after startup can take that long too)."
+                f"PipelineConfig.first_heartbeat_minutes={self.first_heartbeat_minutes}: use {least}..1440 "
+                f"(startup_minutes + 2 x stall_timeout_minutes: a healthy job may take the startup bound to start "
+                "stepping, and the in-process watchdog allows its first step twice the stall timeout)."
             )
 
     def _check_trigger_and_tracking(self) -> None:

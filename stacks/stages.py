@@ -12,9 +12,11 @@ from stacks.pipeline_stack import PipelineStack
 from stacks.storage_stack import StorageStack
 
 
-def build_stage(scope: Construct, cfg: StageConfig, *, image_uri: str | None = None) -> dict[str, Stack]:
+def build_stage(scope: Construct, cfg: StageConfig, *, image_uri: str | None = None,
+                diagnosis_asset_hash: str | None = None) -> dict[str, Stack]:
     """Create the stage's stacks under `scope` and return them by role: "network", "storage",
-    "compute", "pipeline". `image_uri` (a registry image) replaces the training image asset (tests).
+    "compute", "pipeline". `image_uri` (a registry image) replaces the training image asset and
+    `diagnosis_asset_hash` fixes the failure classifier code's asset hash (tests).
     Raises ValueError (with the fix-it) when the stage's AMI policy cannot be met, e.g. prod
     without a pinned Neuron AMI for its region."""
     env = Environment(account=cfg.account, region=cfg.region)
@@ -29,6 +31,7 @@ def build_stage(scope: Construct, cfg: StageConfig, *, image_uri: str | None = N
     stacks["pipeline"] = PipelineStack(
         scope, f"{prefix}-Pipeline", config=cfg.pipeline, stage=cfg.name, data_bucket=storage.data_bucket,
         artifacts_bucket=storage.artifacts_bucket, queues=compute.queues, job_definitions=compute.job_definition_refs,
+        job_log_group=compute.job_log_group, diagnosis_asset_hash=diagnosis_asset_hash,
         instance_types={"training": cfg.compute.training_instance_type,
                         "single-node": cfg.compute.single_node_instance_type},
         max_nodes=cfg.compute.max_nodes, queue_wait=Duration.minutes(cfg.compute.runnable_timeout_minutes),

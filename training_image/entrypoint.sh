@@ -11,8 +11,9 @@
 # job definition from the instance table), A = AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS on child
 # nodes. Batch does NOT set that variable on the main node itself, so there A is the node's own
 # eth0 address. Without AWS_BATCH_JOB_NUM_NODES (a single-node job) the step runs as one node on
-# 127.0.0.1. `sanity` and `train` run under torchrun; every other step as plain python (`compile`
-# starts neuron_parallel_compile + torchrun itself from TORCHRUN_ARGS).
+# 127.0.0.1. `sanity` and `train` run under torchrun (`python -m pipeline_steps.launch`: torchrun,
+# with a rendezvous that never completed ending in 75); every other step as plain python
+# (`compile` starts neuron_parallel_compile + the same launcher itself from TORCHRUN_ARGS).
 #
 # Batch parameters cannot be optional: a flag whose value is the empty string is dropped, and an
 # argument still containing "Ref::" (a parameter nobody supplied) is refused with exit 78.
@@ -24,8 +25,9 @@
 # - torchrun exits 1 whenever a worker fails, whatever the worker's code. So for `sanity` and
 #   `train` this script exports PIPELINE_EXIT_CODE_FILE (a fresh node-local path), where the first
 #   failing rank records its code (pipeline_steps.errors.record_exit_code; the stall watchdog
-#   records 75 before it exits), runs torchrun as a child and, when torchrun fails, exits with the
-#   recorded code if there is one, else with torchrun's. torchrun success = 0.
+#   records 75 before it exits; the launcher records 75 for a rendezvous that never completed),
+#   runs torchrun as a child and, when torchrun fails, exits with the recorded code if there is
+#   one, else with torchrun's. torchrun success = 0.
 # - SIGTERM/SIGINT (Batch TerminateJob, attempt timeouts; docker-init delivers them to this script)
 #   are forwarded to torchrun as SIGTERM, which stops its workers; this script then waits for it and
 #   exits as above.
@@ -121,7 +123,7 @@ run_torchrun() {
   # (torchrun stops its workers on TERM).
   child=""
   trap 'if [ -n "$child" ]; then kill -TERM "$child" 2>/dev/null || true; fi' TERM INT
-  torchrun "${torchrun_args[@]}" -m pipeline_steps "$step" "$@" &
+  python -m pipeline_steps.launch "${torchrun_args[@]}" -m pipeline_steps "$step" "$@" &
   child=$!
   # `wait` returns early (status > 128) when a trapped signal arrives: keep waiting until the
   # child has really exited, then take its status.

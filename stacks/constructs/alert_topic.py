@@ -1,6 +1,6 @@
 """One KMS-encrypted SNS topic every alarm and notification goes to. Its own key, so the key policy
-can admit CloudWatch, EventBridge and CloudWatch Logs without touching the stateful storage stack
-(https://docs.aws.amazon.com/sns/latest/dg/sns-key-management.html#compatibility-with-aws-services).
+can admit this account's CloudWatch alarms and CloudWatch Logs without touching the stateful storage
+stack (https://docs.aws.amazon.com/sns/latest/dg/sns-key-management.html#compatibility-with-aws-services).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from aws_cdk import aws_sns as sns
 from aws_cdk import aws_sns_subscriptions as subs
 from constructs import Construct
 
+from stacks.constructs.service_principals import for_this_account
+
 
 class AlertTopic(Construct):
     """KMS key + SNS topic (+ optional e-mail). Public: `key`, `topic`."""
@@ -21,10 +23,13 @@ class AlertTopic(Construct):
         stack = Stack.of(self)
         self.key = kms.Key(self, "Key", enable_key_rotation=True,
                            description="Pipeline notifications topic and log groups")
-        # CloudWatch alarms and EventBridge rules publish to the encrypted topic as services.
+        # CloudWatch alarms of this account publish to the encrypted topic as the service
+        # (https://docs.aws.amazon.com/sns/latest/dg/sns-key-management.html#compatibility-with-aws-services).
+        # EventBridge rules publish through roles (service_principals.events_role): no statement here.
         self.key.add_to_resource_policy(iam.PolicyStatement(
             actions=["kms:Decrypt", "kms:GenerateDataKey*"],
-            principals=[iam.ServicePrincipal("cloudwatch.amazonaws.com"), iam.ServicePrincipal("events.amazonaws.com")],
+            principals=[for_this_account(self, "cloudwatch.amazonaws.com", source_arn_pattern=stack.format_arn(
+                service="cloudwatch", resource="alarm", resource_name="*", arn_format=ArnFormat.COLON_RESOURCE_NAME))],
             resources=["*"],
         ))
         # CloudWatch Logs encrypts the pipeline's log groups with this key

@@ -20,7 +20,9 @@ from constructs import Construct
 
 from pipeline_steps.contract import CANARY_JOB
 from stacks.constructs.job_definitions import JobDefinitionRef
+from stacks.constructs.job_ownership import JobOwnership
 from stacks.constructs.log_delivery import encrypted_log_group, log_events_to
+from stacks.constructs.service_principals import events_role
 from stacks.pipeline_config import PipelineConfig
 
 
@@ -28,7 +30,8 @@ class Canary(Construct):
     """Public: `schedule`, `alarm`, `success_rule`, `failure_rule`."""
 
     def __init__(self, scope: Construct, construct_id: str, *, config: PipelineConfig, queue: batch.IJobQueue,
-                 job_definition: JobDefinitionRef, topic: sns.ITopic, key: kms.IKey) -> None:
+                 job_definition: JobDefinitionRef, topic: sns.ITopic, key: kms.IKey,
+                 ownership: JobOwnership) -> None:
         super().__init__(scope, construct_id)
         if config.canary_interval_minutes is None:
             raise ValueError("Canary: config.canary_interval_minutes is None (the canary is disabled); "
@@ -39,6 +42,7 @@ class Canary(Construct):
             "JobQueue": queue.job_queue_arn,
             "JobDefinition": job_definition.name,
             "SchedulingPriorityOverride": config.default_priority,
+            "Tags": dict(ownership.tags),
         }
         if config.canary_num_nodes > 1:
             submit["NodeOverrides"] = {"NumNodes": config.canary_num_nodes}
@@ -59,7 +63,8 @@ class Canary(Construct):
                 input=scheduler.ScheduleTargetInput.from_object(submit),
                 policy_statements=[iam.PolicyStatement(
                     actions=["batch:SubmitJob"],
-                    resources=[queue.job_queue_arn, job_definition.arn(self)])],
+                    resources=[queue.job_queue_arn, job_definition.arn(self)]),
+                    ownership.tag_on_submit()],
                 retry_attempts=3,
             ),
         )
@@ -77,7 +82,8 @@ class Canary(Construct):
             self, "FailedRule",
             event_pattern=events.EventPattern(source=["aws.batch"], detail_type=["Batch Job State Change"],
                                               detail={**detail, "status": ["FAILED"]}),
-            targets=[targets.SnsTopic(topic, message=events.RuleTargetInput.from_text(
+            targets=[targets.SnsTopic(topic, role=events_role(self, "NotifyRole", description=(
+                "EventBridge: publish failed canaries to the alert topic")), message=events.RuleTargetInput.from_text(
                 f"Canary job {events.EventField.from_path('$.detail.jobId')} failed: "
                 f"{events.EventField.from_path('$.detail.statusReason')}"))])
         self._alarm_when_not_succeeding(topic, minutes)

@@ -12,49 +12,69 @@ from pipeline_steps.contract import FSX_MOUNT_POINT
 from stacks.config import InstanceSpec
 
 _USER_DATA = r"""set -euo pipefail
-exec > >(tee -a /var/log/trainium-node-init.log | logger -t trainium-node-init) 2>&1
+# Every path is under $ROOT: empty on a host. tests/infra/test_node_boot.py runs this script, taken
+# from the synthesized template, against a fake root with recording stand-ins for the commands.
+ROOT="${{TRAINIUM_NODE_ROOT:-}}"
+exec > >(tee -a "$ROOT/var/log/trainium-node-init.log" | logger -t trainium-node-init) 2>&1
 
 EXPECTED_EFA={efa}
 EXPECTED_NEURON={neuron}
 MIN_DRIVER={min_driver}
 FSX_DNS="{fsx_dns}"
 FSX_MOUNT_NAME="{fsx_mount_name}"
+FSX="{mount_point}"
 
 fail() {{
-  # Visible in `aws ec2 get-console-output`; the ECS agent never starts, the host terminates
-  # (InstanceInitiatedShutdownBehavior=terminate) and Batch launches a replacement.
-  echo "trainium-node-init FATAL: $*" | tee /dev/console
+  # Out of service, saying why: the reason goes to the console (`aws ec2 get-console-output`), the
+  # ECS agent is stopped (the guard below keeps it from starting anyway), and the host shuts down,
+  # which terminates it (InstanceInitiatedShutdownBehavior=terminate); Batch launches a replacement.
+  trap - ERR EXIT
+  echo "trainium-node-init FATAL: $*" | tee -a "$ROOT/dev/console"
   systemctl stop --no-block ecs || true
   shutdown -h now
   exit 1
 }}
+# A failing command, or any other way out before the end, takes the host out of service.
+trap 'fail "line $LINENO: $BASH_COMMAND (exit $?)"' ERR
+trap 'fail "boot script ended before $FSX was mounted (exit $?)"' EXIT
+
+# First, before anything can fail: systemd starts the ECS agent after cloud-init's user data,
+# whatever its outcome, so the agent's unit itself requires FSx mounted (this boot, and every
+# reboot, when the fstab entry below mounts it).
+mkdir -p "$ROOT/etc/systemd/system/ecs.service.d"
+printf '[Unit]\nRequiresMountsFor=%s\n[Service]\nExecStartPre=/usr/bin/mountpoint -q %s\n' "$FSX" "$FSX" \
+  > "$ROOT/etc/systemd/system/ecs.service.d/10-require-fsx.conf"
+systemctl daemon-reload
 
 # Neuron driver: the DLC's Neuron runtime does not work with older host drivers.
-driver="$(cat /sys/module/neuron/version 2>/dev/null || modinfo -F version neuron 2>/dev/null || echo 0)"
+driver="$(cat "$ROOT/sys/module/neuron/version" 2>/dev/null || modinfo -F version neuron 2>/dev/null || echo 0)"
 lowest="$(printf '%s\n%s\n' "$MIN_DRIVER" "$driver" | sort -V | head -n1)"
 [ "$lowest" = "$MIN_DRIVER" ] || fail "Neuron driver $driver < $MIN_DRIVER; pin a newer Neuron ECS AMI"
 
-# Devices the job definitions map into containers: must match the instance table.
-neuron_count="$(find /dev -maxdepth 1 -name 'neuron[0-9]*' | wc -l)"
-[ "$neuron_count" -eq "$EXPECTED_NEURON" ] || fail "found $neuron_count /dev/neuron*, expected $EXPECTED_NEURON"
-efa_count="$(find /dev/infiniband -maxdepth 1 -name 'uverbs[0-9]*' 2>/dev/null | wc -l)"
-[ "$efa_count" -eq "$EXPECTED_EFA" ] || fail "found $efa_count EFA devices (uverbs), expected $EXPECTED_EFA"
+# Devices the job definitions map into containers: must match the instance table. Globs, not
+# find: a host without EFA (trn1.2xlarge) has no /dev/infiniband at all.
+shopt -s nullglob
+neuron=("$ROOT"/dev/neuron[0-9]*)
+efa=("$ROOT"/dev/infiniband/uverbs[0-9]*)
+[ "${{#neuron[@]}}" -eq "$EXPECTED_NEURON" ] || fail "found ${{#neuron[@]}} /dev/neuron*, expected $EXPECTED_NEURON"
+[ "${{#efa[@]}}" -eq "$EXPECTED_EFA" ] || fail "found ${{#efa[@]}} EFA devices (uverbs), expected $EXPECTED_EFA"
 
 # FSx for Lustre (AL2023 lustre-client is 2.15, matching the file system version).
 for attempt in 1 2 3 4 5; do
   dnf install -y lustre-client && break
-  [ "$attempt" -lt 5 ] || fail "dnf install lustre-client failed"
+  [ "$attempt" -lt 5 ] || fail "dnf install lustre-client failed 5 times"
   sleep $((attempt * 10))
 done
-mkdir -p {mount_point}
+mkdir -p "$ROOT$FSX"
 for attempt in $(seq 1 10); do
-  mount -t lustre -o noatime,flock "$FSX_DNS@tcp:/$FSX_MOUNT_NAME" {mount_point} && break
+  mount -t lustre -o noatime,flock "$FSX_DNS@tcp:/$FSX_MOUNT_NAME" "$ROOT$FSX" && break
   [ "$attempt" -lt 10 ] || fail "mount of $FSX_DNS@tcp:/$FSX_MOUNT_NAME failed 10 times"
   sleep $((attempt * 15))
 done
-mountpoint -q {mount_point} || fail "{mount_point} is not a mount point"
-echo "$FSX_DNS@tcp:/$FSX_MOUNT_NAME {mount_point} lustre defaults,noatime,flock,_netdev 0 0" >> /etc/fstab
-echo "trainium-node-init ok: driver $driver, $neuron_count neuron, $efa_count efa, {mount_point} mounted"
+mountpoint -q "$ROOT$FSX" || fail "$FSX is not a mount point"
+echo "$FSX_DNS@tcp:/$FSX_MOUNT_NAME $FSX lustre defaults,noatime,flock,_netdev 0 0" >> "$ROOT/etc/fstab"
+trap - ERR EXIT
+echo "trainium-node-init ok: driver $driver, ${{#neuron[@]}} neuron, ${{#efa[@]}} efa, $FSX mounted"
 """
 
 
@@ -79,7 +99,8 @@ def network_interfaces(spec: InstanceSpec, security_group_id: str) -> list[dict[
 
 def node_boot_script(spec: InstanceSpec, *, min_driver: str, fsx_dns_name: str, fsx_mount_name: str) -> str:
     """The boot checks + FSx mount (bash, without the shebang UserData.for_linux adds). cloud-init
-    runs it before the ECS agent starts, so no job lands on a host that failed a check."""
+    runs it before systemd starts the ECS agent; the agent's unit is made to require the mount and a
+    host that fails a check shuts down, so no job lands on a host without FSx."""
     return _USER_DATA.format(
         efa=spec.efa_interfaces,
         neuron=spec.neuron_devices,

@@ -15,9 +15,12 @@ from aws_cdk import aws_sns as sns
 from constructs import Construct
 
 from stacks.constructs.log_delivery import encrypted_log_group, log_events_to
+from stacks.constructs.queue_wait import QUEUE_WAIT_REASON_PREFIX
+from stacks.constructs.service_principals import events_role
 
-# jobStateTimeLimitActions reasons (Batch docs use these prefixes; the compute stack sets the text).
-RUNNABLE_TIMEOUT_REASON_PREFIXES = ("CAPACITY:", "MISCONFIGURATION:")
+# jobStateTimeLimitActions reasons (Batch docs use these prefixes; the compute stack sets the text),
+# and the queue-wait watchdog's (stacks/constructs/queue_wait.py: every job, not only the head's).
+RUNNABLE_TIMEOUT_REASON_PREFIXES = ("CAPACITY:", "MISCONFIGURATION:", QUEUE_WAIT_REASON_PREFIX)
 
 
 class JobEvents(Construct):
@@ -42,8 +45,10 @@ class JobEvents(Construct):
                 source=["aws.batch"], detail_type=["Batch Job State Change"],
                 detail={"jobQueue": queue_arns, "status": ["FAILED"],
                         "statusReason": [{"prefix": p} for p in runnable_timeout_reason_prefixes]}),
-            targets=[targets.SnsTopic(topic, message=events.RuleTargetInput.from_text(
+            targets=[targets.SnsTopic(topic, role=events_role(
+                self, "NotifyRole", description="EventBridge: publish RUNNABLE cancellations to the alert topic"),
+                message=events.RuleTargetInput.from_text(
                 f"Batch job {events.EventField.from_path('$.detail.jobName')} "
                 f"({events.EventField.from_path('$.detail.jobId')}) on queue "
-                f"{events.EventField.from_path('$.detail.jobQueue')} was cancelled while waiting for capacity: "
+                f"{events.EventField.from_path('$.detail.jobQueue')} was cancelled in RUNNABLE (waiting too long): "
                 f"{events.EventField.from_path('$.detail.statusReason')}"))])

@@ -15,6 +15,7 @@ from aws_cdk import aws_stepfunctions as sfn
 from constructs import Construct
 
 from stacks.constructs.retention import retention_days
+from stacks.constructs.service_principals import for_this_account
 
 
 def encrypted_log_group(scope: Construct, construct_id: str, key: kms.IKey, days: int = 365) -> logs.LogGroup:
@@ -38,10 +39,12 @@ def log_events_to(scope: Construct, rule: events.Rule, log_group: logs.ILogGroup
 
     Not `targets.CloudWatchLogGroup`: that target installs its resource policy with a custom
     resource (a Lambda); a plain AWS::Logs::ResourcePolicy does the same declaratively
-    (https://docs.aws.amazon.com/eventbridge/latest/userguide/eb-use-resource-based.html#eb-cloudwatchlogs-permissions).
+    (https://docs.aws.amazon.com/eventbridge/latest/userguide/eb-use-resource-based.html#eb-cloudwatchlogs-permissions),
+    for this rule only (CloudWatch Logs supports aws:SourceArn and aws:SourceAccount:
+    https://docs.aws.amazon.com/AmazonCloudWatchLogs/latest/APIReference/API_PutResourcePolicy.html).
     """
     logs.ResourcePolicy(scope, f"{rule.node.id}LogsPolicy", policy_statements=[iam.PolicyStatement(
-        principals=[iam.ServicePrincipal("events.amazonaws.com"), iam.ServicePrincipal("delivery.logs.amazonaws.com")],
+        principals=[for_this_account(scope, "events.amazonaws.com", source_arn=rule.rule_arn)],
         actions=["logs:CreateLogStream", "logs:PutLogEvents"],
         resources=[log_group.log_group_arn])])
     rule.add_target(_LogGroupTarget(log_group))

@@ -24,6 +24,7 @@ class MlflowTracking(Construct):
         if size not in ("Small", "Medium", "Large"):
             raise ValueError(f"MlflowTracking size={size!r}: one of Small, Medium, Large.")
         prefix = artifact_prefix.strip("/")
+        self._artifacts, self._prefix = artifacts_bucket, prefix
         # The server's own role reads/writes the artifact prefix; a client needs sagemaker-mlflow:*
         # on the server ARN (grant_access)
         # (https://docs.aws.amazon.com/sagemaker/latest/dg/mlflow-create-tracking-server-iam.html).
@@ -50,9 +51,11 @@ class MlflowTracking(Construct):
         self.tracking_server_arn = self.server.attr_tracking_server_arn
 
     def grant_access(self, grantee: iam.IRole) -> iam.Grant:
-        """Let a job role log runs (the sagemaker-mlflow data-plane actions on this server only)."""
+        """Let a job role log runs: the sagemaker-mlflow data-plane actions on this server only, and
+        the artifact prefix, which the MLflow client writes run artifacts to itself."""
         grant = iam.Grant.add_to_principal(grantee=grantee, actions=["sagemaker-mlflow:*"],
                                            resource_arns=[self.tracking_server_arn])
+        self._artifacts.grant_read_write(grantee, f"{self._prefix}/*")
         NagSuppressions.add_resource_suppressions(
             grantee,
             [

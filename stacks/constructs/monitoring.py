@@ -9,6 +9,7 @@ from aws_cdk import Duration
 from aws_cdk import aws_cloudwatch as cw
 from aws_cdk import aws_cloudwatch_actions as cw_actions
 from aws_cdk import aws_events as events
+from aws_cdk import aws_lambda as lambda_
 from aws_cdk import aws_logs as logs
 from aws_cdk import aws_sns as sns
 from aws_cdk import aws_stepfunctions as sfn
@@ -30,15 +31,24 @@ class Monitoring(Construct):
     def __init__(self, scope: Construct, construct_id: str, *, stage: str, topic: sns.ITopic,
                  pipeline: sfn.StateMachine, helpers: Mapping[str, sfn.StateMachine],
                  rules: Mapping[str, events.IRule], job_log_group: logs.ILogGroup,
-                 undelivered_notifications: cw.IMetric, extra_alarms: Sequence[cw.IAlarm] = ()) -> None:
+                 undelivered_notifications: cw.IMetric, classifier: lambda_.IFunction,
+                 failures_by_class: cw.IMetric, extra_alarms: Sequence[cw.IAlarm] = ()) -> None:
+        """`classifier`: the failure path's classifier function (alarm on its errors);
+        `failures_by_class`: its per-class metric (dashboard)."""
         super().__init__(scope, construct_id)
         period = Duration.minutes(5)
         self._action = cw_actions.SnsAction(topic)
         self.alarms: list[cw.Alarm] = []
         self._alarm_on_failures(pipeline=pipeline, helpers=helpers, rules=rules,
                                 undelivered_notifications=undelivered_notifications, period=period)
+        self._alarm("FailureClassifierErrors", classifier.metric_errors(period=period),
+                    "The failure classifier function failed: failure notifications carry the raw error and "
+                    "cause only (class 'unclassified'). See the function's log group.")
         self.dashboard = self._dashboard(stage=stage, pipeline=pipeline, job_log_group=job_log_group,
                                          extra_alarms=extra_alarms, period=period)
+        self.dashboard.add_widgets(cw.GraphWidget(
+            title="Failed runs by class (docs/operations.md, Why a run failed)", width=24,
+            left=[failures_by_class], stacked=True, period=Duration.hours(1)))
 
     def _alarm(self, name: str, metric: cw.IMetric, description: str) -> None:
         a = cw.Alarm(self, name, metric=metric, threshold=1, evaluation_periods=1,

@@ -1,11 +1,13 @@
 """The raw-ASL states every part of the training pipeline builds on: S3 and SNS service tasks with
-bounded retries, notifications that cannot change a run's outcome, and the one failure path.
+bounded retries, notifications that cannot change a run's outcome, and the one failure path
+(classify the failure, then notify: the classifier can fail, the notification still goes out).
 Service integrations: https://docs.aws.amazon.com/step-functions/latest/dg/supported-services-awssdk.html
 """
 
 from __future__ import annotations
 
 from aws_cdk import Duration
+from aws_cdk import aws_lambda as lambda_
 from aws_cdk import aws_sns as sns
 from aws_cdk import aws_stepfunctions as sfn
 from constructs import Construct
@@ -18,36 +20,72 @@ from stacks.pipeline_config import PipelineConfig
 SERVICE_TASK_TIMEOUT_SECONDS = 60
 S3_TRANSIENT_ERRORS = ("States.Timeout", "S3.SdkClientException", "S3.S3Exception")
 UNDELIVERED_SUFFIX = "Undelivered"
+# Lambda's transient invoke errors (https://docs.aws.amazon.com/step-functions/latest/dg/bp-lambda-serviceexception.html).
+LAMBDA_TRANSIENT_ERRORS = ("Lambda.ServiceException", "Lambda.AWSLambdaException", "Lambda.SdkClientException",
+                           "Lambda.TooManyRequestsException")
+DIAGNOSIS_TIMEOUT_SECONDS = 180
 
 
 class PipelineStates:
     """Builds states in `scope` (the pipeline construct: state names are construct ids).
 
     Public: `scope`, `failure` (the failure path's first state) and `undelivered_states` (the Pass
-    states a notification that could not be delivered leads to).
+    states a notification that could not be delivered leads to). `classifier`: the failure path's
+    classifier function (stacks/constructs/failure_diagnosis.py).
     """
 
-    def __init__(self, scope: Construct, *, config: PipelineConfig, topic: sns.ITopic) -> None:
+    def __init__(self, scope: Construct, *, config: PipelineConfig, topic: sns.ITopic,
+                 classifier: lambda_.IFunction) -> None:
         self.scope = scope
         self._cfg = config
         self._topic = topic
+        self._classifier = classifier
         self.undelivered_states: list[str] = []
         self.failure = self._failure_path()
 
-    # ---- failure path: one notification, then Fail ------------------------------------------
+    # ---- failure path: classify, one notification, then Fail ----------------------------------
     def _failure_path(self) -> sfn.CustomState:
+        """DiagnoseFailure -> NotifyFailure -> Failed; returns DiagnoseFailure."""
         failed = sfn.Fail(self.scope, "Failed", error="PipelineFailed",
                           cause="A pipeline step failed; see the SNS notification and the execution history.")
+        # $.failure has one key, the failed state's name, holding {Error, Cause}; for a failed
+        # Batch job the Cause is the DescribeJobs record (JobId, StatusReason, exit code). The raw
+        # failure is always in the message, whatever the classifier said or whether it ran.
         notify_failure = self.sns_publish(
-            "NotifyFailure",
-            subject="Training pipeline run failed",
-            # $.failure has one key, the failed state's name, holding {Error, Cause}; for a failed
-            # Batch job the Cause is the DescribeJobs record (JobId, StatusReason, exit code).
-            message="States.Format('Run {} failed. Failed step, error and cause: {}', $.run_id, States.JsonToString($.failure))",
-        )
+            "NotifyFailure", subject_path="$.diagnosis.subject",
+            message="States.Format('Run {} failed. {}Raw failure (failed step, error and cause): {}', "
+                    "$.run_id, $.diagnosis.text, States.JsonToString($.failure))")
         notify_failure.add_catch(failed, errors=["States.ALL"], result_path="$.notify_error")
         notify_failure.next(failed)
-        return notify_failure
+        return self._diagnose(then=notify_failure)
+
+    def _diagnose(self, then: sfn.CustomState) -> sfn.CustomState:
+        """DiagnoseFailure: the classifier function on the state input; any error of it (after the
+        transient-error retries) leads to DiagnosisUnavailable, which says so and keeps the run's
+        own Error and Cause for the notification."""
+        diagnose = self.raw("DiagnoseFailure", {
+            "Type": "Task",
+            "Resource": "arn:aws:states:::lambda:invoke",
+            "Parameters": {"FunctionName": self._classifier.function_arn, "Payload.$": "$"},
+            "ResultSelector": {"class.$": "$.Payload.class", "subject.$": "$.Payload.subject",
+                               "text.$": "$.Payload.text"},
+            "ResultPath": "$.diagnosis",
+            "TimeoutSeconds": DIAGNOSIS_TIMEOUT_SECONDS,
+        })
+        self.service_retry(diagnose, LAMBDA_TRANSIENT_ERRORS)
+        unavailable = self.raw("DiagnosisUnavailable", {
+            "Type": "Pass",
+            "Parameters": {
+                "class": "unclassified",
+                "subject": "Training pipeline run failed",
+                "text.$": "States.Format('(The automatic classification failed: {}.) ', $.diagnosis_error.Error)",
+            },
+            "ResultPath": "$.diagnosis",
+        })
+        diagnose.add_catch(unavailable, errors=["States.ALL"], result_path="$.diagnosis_error")
+        diagnose.next(then)
+        unavailable.next(then)
+        return diagnose
 
     def fail_with(self, name: str, error: str, cause: str) -> sfn.CustomState:
         """A Pass that records {Error, Cause} under $.failure.<name>, then the failure path.
@@ -86,11 +124,14 @@ class PipelineStates:
         self.service_retry(state, retry_errors)
         return state
 
-    def sns_publish(self, name: str, *, subject: str, message: str) -> sfn.CustomState:
+    def sns_publish(self, name: str, *, message: str, subject: str | None = None,
+                    subject_path: str | None = None) -> sfn.CustomState:
+        """`subject` as is, or the state input's `subject_path`; `message` is a path or intrinsic."""
+        subject_field = {"Subject": subject} if subject_path is None else {"Subject.$": subject_path}
         state = self.raw(name, {
             "Type": "Task",
             "Resource": "arn:aws:states:::sns:publish",
-            "Parameters": {"TopicArn": self._topic.topic_arn, "Subject": subject, "Message.$": message},
+            "Parameters": {"TopicArn": self._topic.topic_arn, **subject_field, "Message.$": message},
             # Keep the run data for the next state (None cannot be expressed: jsii drops it).
             "ResultPath": "$.notified",
             "TimeoutSeconds": SERVICE_TASK_TIMEOUT_SECONDS,

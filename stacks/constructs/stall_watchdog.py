@@ -1,15 +1,19 @@
 """Stall watchdog: a training job that stops emitting its progress heartbeat is terminated.
 
 EventBridge and a Standard state machine with SDK integrations (no Lambda) put a per-job alarm on
-the run's heartbeat once the job is past PipelineConfig.startup_minutes, and terminate the job when
-it fires. The in-process watchdog (pipeline_steps/watchdog.py) covers the common case by exiting
-with the retryable code; this covers a process too frozen to exit. docs/orchestration.md ("The
-stall watchdog") has the states and the timing.
+the run's heartbeat once its first heartbeat arrived (or PipelineConfig.first_heartbeat_minutes
+passed without one), and terminate the job when it fires. The in-process watchdog
+(pipeline_steps/watchdog.py) covers the common case by exiting with the retryable code; this
+covers a process too frozen to exit. docs/orchestration.md ("The stall watchdog") has the states
+and the timing.
 """
 
 from __future__ import annotations
 
+import math
+
 from aws_cdk import ArnFormat, Duration, Stack
+from aws_cdk import aws_batch as batch
 from aws_cdk import aws_events as events
 from aws_cdk import aws_events_targets as targets
 from aws_cdk import aws_iam as iam
@@ -26,7 +30,9 @@ from pipeline_steps.contract import (
     RUN_ID_PARAMETER,
 )
 from stacks.constructs.job_definitions import JobDefinitionRef
+from stacks.constructs.job_ownership import JobOwnership
 from stacks.constructs.log_delivery import encrypted_log_group
+from stacks.constructs.service_principals import events_role
 from stacks.pipeline_config import PipelineConfig
 
 # Where the Batch "Job State Change" event carries the run id: the job's `run_id` parameter, its only
@@ -36,20 +42,25 @@ from stacks.pipeline_config import PipelineConfig
 # alarm watches this run's series only, and a healthy concurrent run of the same stage cannot hide
 # a stalled one.
 JOB_EVENT_RUN_ID_PATH = f"$.detail.parameters.{RUN_ID_PARAMETER}"
+# How often the arm path looks for the run's first heartbeat: the alarm is put at most this long
+# (plus EMF ingestion) after it, well inside the alarm's own stall_timeout_minutes (5 or more).
+HEARTBEAT_POLL_MINUTES = 2
 
 
 class StallWatchdog(Construct):
     """Per-job heartbeat alarms for the Train job definition and termination on ALARM: one
-    execution per event, routed to arm (Batch RUNNING, after the startup bound, if the same
-    attempt still runs), terminate (CloudWatch ALARM, if the job still runs) or disarm (any other
+    execution per event, routed to arm (Batch RUNNING, on the first heartbeat, while the same
+    attempt runs), terminate (CloudWatch ALARM, if the job still runs) or disarm (any other
     Batch status). Public: `state_machine`, `alarm_prefix`, `rules`.
     """
 
     def __init__(self, scope: Construct, construct_id: str, *, config: PipelineConfig, stage: str,
-                 train_job_definition: JobDefinitionRef, topic: sns.ITopic, key: kms.IKey) -> None:
+                 train_job_definition: JobDefinitionRef, training_queue: batch.IJobQueue,
+                 ownership: JobOwnership, topic: sns.ITopic, key: kms.IKey) -> None:
         super().__init__(scope, construct_id)
         stack = Stack.of(self)
         self._config, self._stage, self._topic = config, stage, topic
+        self._queue, self._ownership = training_queue, ownership
         # '/' separates the job id: alarm names allow it, job ids and stack names never contain it.
         self.alarm_prefix = f"{stack.stack_name}-TrainStalled"
 
@@ -70,10 +81,10 @@ class StallWatchdog(Construct):
             self, "StateMachine",
             definition_body=sfn.DefinitionBody.from_chainable(route),
             state_machine_type=sfn.StateMachineType.STANDARD,  # it waits; Express ends after 5 minutes
-            timeout=Duration.minutes(config.startup_minutes + 60),
+            timeout=Duration.minutes(config.first_heartbeat_minutes + 60),
             tracing_enabled=True,
             logs=sfn.LogOptions(destination=log_group, level=sfn.LogLevel.ALL, include_execution_data=True),
-            comment="Arms per-job training heartbeat alarms after the startup bound, terminates stalled jobs")
+            comment="Arms per-job training heartbeat alarms on the first heartbeat, terminates stalled jobs")
         role = self.state_machine.role
         role.add_to_principal_policy(iam.PolicyStatement(
             actions=["cloudwatch:PutMetricAlarm", "cloudwatch:DeleteAlarms"],
@@ -84,12 +95,11 @@ class StallWatchdog(Construct):
         # https://docs.aws.amazon.com/batch/latest/userguide/batch-supported-iam-actions-resources.html).
         role.add_to_principal_policy(iam.PolicyStatement(
             actions=["cloudwatch:GetMetricData", "batch:DescribeJobs"], resources=["*"]))
-        role.add_to_principal_policy(iam.PolicyStatement(
-            actions=["batch:TerminateJob"],
-            resources=[stack.format_arn(service="batch", resource="job", resource_name="*")]))
+        role.add_to_principal_policy(ownership.act_on_jobs("batch:TerminateJob"))
         topic.grant_publish(role)
 
-        target = targets.SfnStateMachine(self.state_machine, retry_attempts=8)
+        target = targets.SfnStateMachine(self.state_machine, retry_attempts=8, role=events_role(
+            self, "StartRole", description="EventBridge: start the stall watchdog on train job and alarm events"))
         self.rules = [
             events.Rule(self, "TrainJobStateRule", targets=[target], event_pattern=events.EventPattern(
                 source=["aws.batch"], detail_type=["Batch Job State Change"],
@@ -101,21 +111,55 @@ class StallWatchdog(Construct):
                 detail={"alarmName": [{"prefix": f"{self.alarm_prefix}/"}], "state": {"value": ["ALARM"]}})),
         ]
 
-    # ---- arm: after the startup bound, if the same attempt still runs --------------------------
+    # ---- arm: on the first heartbeat (or past the first-heartbeat bound), if the attempt still runs
     def _arm_path(self) -> sfn.IChainable:
-        minutes = self._config.stall_timeout_minutes
+        """WatchRecord -> (WaitForHeartbeat -> DescribeWatchedJob -> StillThisAttempt -> ReadFirstHeartbeat
+        -> HeartbeatSeen -> PollsLeft -> CountPoll)* -> ArmStallAlarm. CloudWatch sends no event for a
+        metric's first data point, so the run's heartbeat is polled."""
+        # The first poll comes after one wait: the last one ends at or just past the bound.
+        polls = math.ceil(self._config.first_heartbeat_minutes / HEARTBEAT_POLL_MINUTES) - 1
         record = self._raw("WatchRecord", {
             "Type": "Pass",
-            # Travels in the alarm's description, so the ALARM event carries everything the
+            # `watch` travels in the alarm's description, so the ALARM event carries everything the
             # terminate path needs (a CloudWatch Alarm State Change event has the description).
-            "Parameters": {"run_id.$": JOB_EVENT_RUN_ID_PATH, "job_id.$": "$.detail.jobId",
-                           "job_started_at.$": "$.time", "started_at_ms.$": "$.detail.startedAt"},
-            "ResultPath": "$.watch",
+            "Parameters": {"watch": {"run_id.$": JOB_EVENT_RUN_ID_PATH, "job_id.$": "$.detail.jobId",
+                                     "job_started_at.$": "$.time", "started_at_ms.$": "$.detail.startedAt"},
+                           "polls_left": polls},
         })
-        wait = sfn.Wait(self, "WaitForStartup",
-                        time=sfn.WaitTime.duration(Duration.minutes(self._config.startup_minutes)))
+        wait = sfn.Wait(self, "WaitForHeartbeat", time=sfn.WaitTime.duration(Duration.minutes(HEARTBEAT_POLL_MINUTES)))
         describe = self._describe_job("DescribeWatchedJob", "$.watch.job_id")
         same_attempt = sfn.Choice(self, "StillThisAttempt")
+        read = self._raw("ReadFirstHeartbeat", {
+            "Type": "Task",
+            "Resource": "arn:aws:states:::aws-sdk:cloudwatch:getMetricData",
+            "Parameters": {"MetricDataQueries": [self._heartbeat_query("SampleCount", 60)],
+                           "StartTime.$": "$.watch.job_started_at", "EndTime.$": "$$.State.EnteredTime"},
+            "ResultSelector": {"query.$": "States.ArrayGetItem($.MetricDataResults, 0)"},
+            "ResultPath": "$.heartbeat",
+        })
+        self._retry(read)
+        seen, polls_left = sfn.Choice(self, "HeartbeatSeen"), sfn.Choice(self, "PollsLeft")
+        count = self._raw("CountPoll", {"Type": "Pass", "Parameters": {
+            "watch.$": "$.watch", "polls_left.$": "States.MathAdd($.polls_left, -1)"}})
+        arm = self._arm_alarm()
+        record.next(wait)
+        wait.next(describe)
+        describe.next(same_attempt)
+        ended = sfn.Succeed(self, "AttemptEnded")
+        # Rules are tried in order: only a RUNNING record (which has StartedAt) reaches the second.
+        same_attempt.when(sfn.Condition.not_(sfn.Condition.string_equals("$.job.record.Status", "RUNNING")), ended)
+        same_attempt.when(sfn.Condition.number_equals_json_path("$.job.record.StartedAt", "$.watch.started_at_ms"), read)
+        same_attempt.otherwise(ended)
+        read.next(seen)
+        seen.when(sfn.Condition.is_present("$.heartbeat.query.Values[0]"), arm)
+        # Past the bound without any heartbeat: the alarm, all of its data missing, fires at once.
+        seen.otherwise(polls_left.when(sfn.Condition.number_greater_than("$.polls_left", 0), count).otherwise(arm))
+        count.next(wait)
+        arm.next(sfn.Succeed(self, "Armed"))
+        return record
+
+    def _arm_alarm(self) -> sfn.CustomState:
+        minutes = self._config.stall_timeout_minutes
         arm = self._raw("ArmStallAlarm", {
             "Type": "Task",
             "Resource": "arn:aws:states:::aws-sdk:cloudwatch:putMetricAlarm",
@@ -132,29 +176,23 @@ class StallWatchdog(Construct):
                 "DatapointsToAlarm": minutes,
                 "Threshold": 1,
                 "ComparisonOperator": "LessThanThreshold",
-                # A frozen process emits nothing: no data must count as no progress. Armed only
-                # after the startup bound, a brand-new alarm evaluating its whole range as
-                # breaching is what we want: no heartbeat for stall_timeout -> ALARM at once.
+                # A frozen process emits nothing: no data must count as no progress. A new alarm
+                # evaluates its whole range, missing points as breaching
+                # (https://docs.aws.amazon.com/AmazonCloudWatch/latest/monitoring/alarms-and-missing-data.html),
+                # so it is put only once a heartbeat is in that range, or when none came in time.
                 "TreatMissingData": "breaching",
             },
             "ResultPath": "$.result",
         })
         self._retry(arm)
-        record.next(wait)
-        wait.next(describe)
-        describe.next(same_attempt)
-        ended = sfn.Succeed(self, "AttemptEndedDuringStartup")
-        # Rules are tried in order: only a RUNNING record (which has StartedAt) reaches the second.
-        same_attempt.when(sfn.Condition.not_(sfn.Condition.string_equals("$.job.record.Status", "RUNNING")), ended)
-        same_attempt.when(sfn.Condition.number_equals_json_path("$.job.record.StartedAt", "$.watch.started_at_ms"), arm)
-        same_attempt.otherwise(ended)
-        arm.next(sfn.Succeed(self, "Armed"))
-        return record
+        return arm
 
     # ---- terminate: the job of an alarm that fired, if it still runs ---------------------------
     def _terminate_path(self) -> sfn.IChainable:
         """ReadAlarmContext -> DescribeStalledJob -> StillRunning? -> (last step, terminate, notify)
-        | DisarmEndedJobAlarm."""
+        | DisarmEndedJobAlarm | NotThisPipelinesJob. The job id comes from the alarm's description,
+        which whoever may put an alarm of this name writes, so the job is checked to be this
+        pipeline's train job (queue and tags; the role's TerminateJob is tag-scoped as well)."""
         read = self._raw("ReadAlarmContext", {
             "Type": "Pass",
             "Parameters": {"watch.$": "States.StringToJson($.detail.configuration.description)",
@@ -164,8 +202,14 @@ class StallWatchdog(Construct):
         still_running = sfn.Choice(self, "StillRunning")
         read.next(describe)
         describe.next(still_running)
-        still_running.when(sfn.Condition.string_equals("$.job.record.Status", "RUNNING"),
+        ours = sfn.Condition.and_(sfn.Condition.string_equals("$.job.record.JobQueue", self._queue.job_queue_arn),
+                                  self._ownership.owns("$.job.record"))
+        foreign = sfn.Fail(self, "NotThisPipelinesJob", error="ForeignJob",
+                           cause="The alarm names a Batch job that is not this pipeline's train job (queue, tags); "
+                                 "nothing was terminated.")
+        still_running.when(sfn.Condition.and_(sfn.Condition.string_equals("$.job.record.Status", "RUNNING"), ours),
                            self._read_last_step(then=self._terminate_and_notify()))
+        still_running.when(sfn.Condition.string_equals("$.job.record.Status", "RUNNING"), foreign)
         still_running.otherwise(self._disarm("DisarmEndedJobAlarm", "$.alarm_name"))
         return read
 
@@ -176,10 +220,7 @@ class StallWatchdog(Construct):
             "Type": "Task",
             "Resource": "arn:aws:states:::aws-sdk:cloudwatch:getMetricData",
             "Parameters": {
-                "MetricDataQueries": [{"Id": "step", "MetricStat": {
-                    "Metric": {"Namespace": HEARTBEAT_NAMESPACE, "MetricName": HEARTBEAT_STEP_METRIC,
-                               "Dimensions": self._run_dimensions("$.watch.run_id")},
-                    "Period": 300, "Stat": "Maximum"}}],
+                "MetricDataQueries": [self._heartbeat_query("Maximum", 300)],
                 "StartTime.$": "$.watch.job_started_at",
                 "EndTime.$": "$$.State.EnteredTime",
                 "ScanBy": "TimestampDescending",
@@ -214,8 +255,8 @@ class StallWatchdog(Construct):
     def _terminate_and_notify(self) -> sfn.IChainable:
         """TerminateStalledJob -> NotifyTerminated -> DisarmAfterTerminate."""
         cfg = self._config
-        reason = (f"No training progress heartbeat for {cfg.stall_timeout_minutes} minutes after the "
-                  f"{cfg.startup_minutes}-minute startup bound (stall watchdog)")
+        reason = (f"No training progress heartbeat for {cfg.stall_timeout_minutes} minutes, or none within "
+                  f"{cfg.first_heartbeat_minutes} minutes of the job starting (stall watchdog)")
         terminate = self._raw("TerminateStalledJob", {
             "Type": "Task",
             "Resource": "arn:aws:states:::aws-sdk:batch:terminateJob",
@@ -246,6 +287,13 @@ class StallWatchdog(Construct):
     # ---- helpers -------------------------------------------------------------------------------
     def _raw(self, name: str, state_json: dict) -> sfn.CustomState:
         return sfn.CustomState(self, name, state_json=state_json)
+
+    def _heartbeat_query(self, stat: str, period: int) -> dict:
+        """The run's TrainStep series (JOB_EVENT_RUN_ID_PATH says why the run id matches the job's)."""
+        return {"Id": "step", "MetricStat": {
+            "Metric": {"Namespace": HEARTBEAT_NAMESPACE, "MetricName": HEARTBEAT_STEP_METRIC,
+                       "Dimensions": self._run_dimensions("$.watch.run_id")},
+            "Period": period, "Stat": stat}}
 
     def _run_dimensions(self, run_id_path: str) -> list[dict]:
         return [{"Name": HEARTBEAT_STAGE_DIMENSION, "Value": self._stage},

@@ -9,6 +9,7 @@ from __future__ import annotations
 import jsii
 from aws_cdk import IStableStringProducer, Lazy, RemovalPolicy, Stack
 from aws_cdk import aws_ec2 as ec2
+from aws_cdk import aws_iam as iam
 from aws_cdk import aws_logs as logs
 from constructs import Construct
 
@@ -16,6 +17,7 @@ from stacks.config import NetworkConfig
 from stacks.constructs.checkov import skip_checkov
 from stacks.constructs.log_encryption import log_encryption_key
 from stacks.constructs.retention import retention_days
+from stacks.constructs.service_principals import for_this_account
 
 LUSTRE_PORTS: tuple[tuple[int, int], ...] = ((988, 988), (1018, 1023))
 """TCP port ranges FSx for Lustre (LNET) uses between clients and file servers."""
@@ -140,6 +142,8 @@ class TrainingNetwork(Construct):
                 )
 
     def _flow_logs(self, config: NetworkConfig) -> None:
+        """VPC flow logs to a KMS-encrypted log group, delivered by a role only this account's flow
+        logs may assume (https://docs.aws.amazon.com/vpc/latest/userguide/flow-logs-iam-role.html)."""
         flow_log_group = logs.LogGroup(
             self,
             "FlowLogGroup",
@@ -147,13 +151,20 @@ class TrainingNetwork(Construct):
             removal_policy=RemovalPolicy.RETAIN,
             encryption_key=log_encryption_key(self, "FlowLogsKey", description=f"{self.node.path}: VPC flow logs"),
         )
-        ec2.FlowLog(
+        flow_log = ec2.FlowLog(
             self,
             "FlowLog",
             resource_type=ec2.FlowLogResourceType.from_vpc(self.vpc),
             destination=ec2.FlowLogDestination.to_cloud_watch_logs(flow_log_group),
             traffic_type=ec2.FlowLogTrafficType.ALL,
         )
+        # The role the L2 creates, its trust scoped in place: a new role would replace the flow log
+        # (DeliverLogsPermissionArn is create-only).
+        scoped = for_this_account(self, "vpc-flow-logs.amazonaws.com", source_arn_pattern=Stack.of(self).format_arn(
+            service="ec2", resource="vpc-flow-log", resource_name="*"))
+        role = flow_log.iam_role.node.default_child
+        assert isinstance(role, iam.CfnRole)
+        role.add_property_override("AssumeRolePolicyDocument.Statement.0.Condition", scoped.policy_fragment.conditions)
 
     def _existing_vpc(self, config: NetworkConfig) -> tuple[ec2.IVpc, ec2.ISubnet]:
         """The VPC as the CLI looked it up (cdk.context.json) and its training subnet, which must

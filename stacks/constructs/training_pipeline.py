@@ -12,6 +12,7 @@ from aws_cdk import aws_batch as batch
 from aws_cdk import aws_cloudwatch as cw
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_kms as kms
+from aws_cdk import aws_lambda as lambda_
 from aws_cdk import aws_logs as logs
 from aws_cdk import aws_s3 as s3
 from aws_cdk import aws_sns as sns
@@ -23,6 +24,7 @@ from pipeline_steps.contract import (
 )
 from stacks.constructs.input_checks import input_checks, input_rules
 from stacks.constructs.job_definitions import JobDefinitionRef
+from stacks.constructs.job_ownership import JobOwnership
 from stacks.constructs.pipeline_states import PipelineStates
 from stacks.constructs.prepare_states import SHARDS_FIELD, array_submit, prepare_submit
 from stacks.constructs.publish import CURRENT_MODEL_KEY, export_uri, publish
@@ -82,20 +84,24 @@ class TrainingPipeline(Construct):
         job_definitions: Mapping[str, JobDefinitionRef],
         topic: sns.ITopic,
         key: kms.IKey,
+        classifier: lambda_.IFunction,
         max_nodes: int,
         queue_wait: Duration,
+        ownership: JobOwnership,
     ) -> None:
         super().__init__(scope, construct_id)
         _check_wiring(config, queues=queues, job_definitions=job_definitions, max_nodes=max_nodes)
         self._cfg = config
+        self._ownership = ownership
         self._queues = queues
         self._job_definitions = job_definitions
         self._bucket = artifacts_bucket
         self._data_bucket = data_bucket
         self._topic = topic
+        self._classifier = classifier
         self._max_nodes = max_nodes
         self._queue_wait_minutes = int(queue_wait.to_minutes())
-        self._states = PipelineStates(self, config=config, topic=topic)
+        self._states = PipelineStates(self, config=config, topic=topic, classifier=classifier)
         self.undelivered_states: list[str] = self._states.undelivered_states
         start = self._chain()
 
@@ -121,7 +127,7 @@ class TrainingPipeline(Construct):
 
     # ---- the chain: defaults, input checks, baseline, the Batch steps in pipeline order, gate, publish
     def _chain(self) -> sfn.IChainable:
-        """Builds every state and returns the first one (Defaults)."""
+        """Builds every state and returns the first one (InputShape)."""
         states = self._states
         batch_states = {step.state: self._submit(step) for step in PIPELINE_STEPS}
         start, configured = self._configuration()
@@ -163,7 +169,31 @@ class TrainingPipeline(Construct):
             queue_wait_minutes=self._queue_wait_minutes)
 
     # ---- configuration: defaults merged with the execution input ----------------------------
-    def _configuration(self) -> tuple[sfn.Pass, sfn.CustomState]:
+    def _input_shape(self, then: sfn.IChainable) -> sfn.IChainable:
+        """InputShape -> InputIsObject -> `then` | InputNotAnObject: a Pass state cannot catch, and
+        merging or extending an input that is not a JSON object is a States.Runtime error that no
+        Catch sees (https://docs.aws.amazon.com/step-functions/latest/dg/concepts-error-handling.html),
+        so the input's type is decided first, by a Choice. The JSON text of an object, and only of
+        an object, starts with '{': prefixed with 'x' and split at '{', its first part is 'x'. Only
+        that boolean is kept, so an input near the 256 KiB payload limit cannot overflow here."""
+        first_part = ("States.ArrayGetItem(States.StringSplit(States.Format('x{}', "
+                      "States.JsonToString($$.Execution.Input)), '{'), 0)")
+        shape = self._states.raw("InputShape", {
+            "Type": "Pass",
+            "Parameters": {f"{RUN_ID_PARAMETER}.$": "$$.Execution.Name",
+                           "is_object.$": f"States.ArrayContains(States.Array({first_part}), 'x')"},
+        })
+        is_object = sfn.Choice(self, "InputIsObject")
+        shape.next(is_object)
+        is_object.when(sfn.Condition.boolean_equals("$.is_object", True), then)
+        is_object.otherwise(self._states.fail_with(
+            "InputNotAnObject", "InvalidInput",
+            "States.Format('The execution input must be a JSON object with the run fields (version, data_uri, "
+            "...: see Execution input in docs/orchestration.md); run {} got an array, a string, a number, a "
+            "boolean or null (the execution history shows it). Start the run again with an object.', $.run_id)"))
+        return shape
+
+    def _configuration(self) -> tuple[sfn.IChainable, sfn.CustomState]:
         cfg = self._cfg
         defaults = sfn.Pass(self, "Defaults", result_path="$.defaults", result=sfn.Result.from_object({
             "dataset": "manual",
@@ -188,7 +218,7 @@ class TrainingPipeline(Construct):
             },
         })
         defaults.next(apply_defaults)
-        return defaults, apply_defaults
+        return self._input_shape(then=defaults), apply_defaults
 
     def _step_fields(self, step: PipelineStep) -> dict:
         """What one step adds to the SubmitJob request all steps share."""
@@ -230,6 +260,8 @@ class TrainingPipeline(Construct):
             # Sanity and Compile use the Train node count: the compile cache is keyed by world size.
             params["NodeOverrides"] = {"NumNodes.$": "$.run.num_nodes"}
         params["JobQueue"] = queue.job_queue_arn
+        # What the stall and queue watchdogs, and this role's TerminateJob, recognise as ours.
+        params["Tags"] = dict(self._ownership.tags)
         if _has_fair_share(queue):
             params["ShareIdentifier.$"] = "$.run.share"
         state = self._states.raw(step.state, {
@@ -264,13 +296,12 @@ class TrainingPipeline(Construct):
         # (https://docs.aws.amazon.com/batch/latest/userguide/batch-supported-iam-actions-resources.html).
         role.add_to_principal_policy(iam.PolicyStatement(
             actions=["batch:SubmitJob"], resources=[*queue_arns, *job_definition_arns]))
+        role.add_to_principal_policy(self._ownership.tag_on_submit())
         # .sync waits with DescribeJobs (no resource-level support) and stops a timed-out job
-        # with TerminateJob; job ids only exist at run time
+        # with TerminateJob: only the jobs this pipeline submitted (their tags)
         # (https://docs.aws.amazon.com/step-functions/latest/dg/batch-iam.html).
         role.add_to_principal_policy(iam.PolicyStatement(actions=["batch:DescribeJobs"], resources=["*"]))
-        role.add_to_principal_policy(iam.PolicyStatement(
-            actions=["batch:TerminateJob"],
-            resources=[stack.format_arn(service="batch", resource="job", resource_name="*")]))
+        role.add_to_principal_policy(self._ownership.act_on_jobs("batch:TerminateJob"))
         role.add_to_principal_policy(iam.PolicyStatement(
             actions=["events:PutTargets", "events:PutRule", "events:DescribeRule"],
             resources=[stack.format_arn(service="events", resource="rule",
@@ -282,4 +313,7 @@ class TrainingPipeline(Construct):
         self._bucket.grant_put(role, CURRENT_MODEL_KEY)
         self._bucket.grant_read(role, GATE_KEY_PATTERN)
         self._topic.grant_publish(role)
+        # The failure path's classifier, unqualified (no version or alias: no ARN wildcard).
+        role.add_to_principal_policy(iam.PolicyStatement(actions=["lambda:InvokeFunction"],
+                                                         resources=[self._classifier.function_arn]))
 

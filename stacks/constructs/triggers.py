@@ -1,8 +1,8 @@
 """New data starts a run: S3 `incoming/<dataset>/<version>/_SUCCESS` -> EventBridge -> starter -> pipeline.
 
-The Express "starter" state machine (no Lambda) names the run "<dataset>-<version>" (else
-"upload-<md5>"), so a duplicate event is a no-op. docs/orchestration.md ("Upload contract") has the
-rules and limits.
+The Express "starter" state machine (no Lambda) names the run "<dataset>-<version>" (else, only when
+the service refuses that name, "upload-<md5>"), so a data version starts at most one run and a
+duplicate event is a no-op. docs/orchestration.md ("Upload contract") has the rules and limits.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from aws_cdk import Duration
 
 from pipeline_steps.contract import FSX_DATA
 from stacks.constructs.log_delivery import encrypted_log_group, express_state_machine
+from stacks.constructs.service_principals import events_role
 from stacks.pipeline_config import PipelineConfig
 
 # Transient StartExecution failures: throttling (https://docs.aws.amazon.com/step-functions/latest/apireference/CommonErrors.html),
@@ -25,6 +26,11 @@ from stacks.pipeline_config import PipelineConfig
 # model has no class for the error code; client-side faults; timeouts.
 START_RETRY_ERRORS = ("StepFunctions.ThrottlingException", "StepFunctions.SfnException",
                       "StepFunctions.SdkClientException", "States.Timeout")
+# The service's refusals of the name itself (StartExecution: InvalidName, and ValidationException
+# for a name over 80 characters): it validated the name and started nothing. Only these may lead to
+# the hashed name. Any other error may follow a start that happened (a response lost, then a retry
+# refused), so a fallback there could start the same data version twice: the starter fails instead.
+NAME_REFUSED_ERRORS = ("StepFunctions.InvalidNameException", "StepFunctions.ValidationException")
 
 
 def execution_name(dataset: str, version: str) -> str:
@@ -61,7 +67,8 @@ class RunTrigger(Construct):
                     "object": {"key": [{"wildcard": f"{config.incoming_prefix}*/{config.success_marker}"}]},
                 },
             ),
-            targets=[targets.SfnStateMachine(self.starter, retry_attempts=8)],
+            targets=[targets.SfnStateMachine(self.starter, retry_attempts=8, role=events_role(
+                self, "StartRole", description="EventBridge: start the starter state machine on new data"))],
         )
 
     def _parse_and_start(self, config: PipelineConfig, pipeline: sfn.IStateMachine) -> sfn.IChainable:
@@ -99,8 +106,9 @@ class RunTrigger(Construct):
         start_hashed.add_catch(already, errors=["StepFunctions.ExecutionAlreadyExistsException"], result_path="$.error")
         start = self._start("StartPipeline", pipeline, execution_input, "States.Format('{}-{}', $.dataset, $.version)")
         start.add_catch(already, errors=["StepFunctions.ExecutionAlreadyExistsException"], result_path="$.error")
-        # Whatever else refuses the readable name, the hashed one is valid by construction.
-        start.add_catch(start_hashed, errors=["States.ALL"], result_path="$.error")
+        # A readable name the service refuses is always refused, so each data version has exactly one
+        # name it can ever start under: the readable one, or else the hashed one (valid by construction).
+        start.add_catch(start_hashed, errors=list(NAME_REFUSED_ERRORS), result_path="$.error")
         started = sfn.Succeed(self, "Started")
         start.next(started)
         start_hashed.next(started)

@@ -22,7 +22,8 @@ from tests.steps.conftest import REPO, cli_env
 DOCUMENTED_KEYS = {"train_ratio_vs_peer", "embed_ratio_vs_peer", "embed_mfu_vs_ceiling", "embed_by_preset",
                    "loader_headroom", "compiles_after_warmup", "graphs_compiled", "mfu_vs_ceiling",
                    "mfu_vs_ceiling_by_preset", "checkpoint_save_s_per_gb", "checkpoint_load_s_per_gb", "machine",
-                   "xla_train_ratio_vs_peer", "xla_host_s_per_step", "xla_tokens_per_s"}
+                   "xla_train_ratio_vs_peer", "xla_host_s_per_step", "xla_tokens_per_s", "xla_bf16_tokens_per_s",
+                   "xla_bf16_vs_fp32"}
 
 
 def test_quick_tiny_bench_writes_every_documented_key(tmp_path: Path) -> None:
@@ -38,7 +39,7 @@ def test_quick_tiny_bench_writes_every_documented_key(tmp_path: Path) -> None:
         assert isinstance(report[key], float) and math.isfinite(report[key]) and report[key] > 0, key
     assert set(report["mfu_vs_ceiling_by_preset"]) == {"tiny"}
     assert report["compiles_after_warmup"] is None  # no xla backend asked for
-    assert report["xla_train_ratio_vs_peer"] is report["xla_host_s_per_step"] is None
+    assert report["xla_train_ratio_vs_peer"] is report["xla_host_s_per_step"] is report["xla_bf16_vs_fp32"] is None
     assert set(report["embed_by_preset"]) == {"tiny"}
     assert set(report["embed_by_preset"]["tiny"]["backends"]) == {"cpu"}
     assert {"cpu", "logical_cpus", "torch_threads", "torch"} <= set(report["machine"])

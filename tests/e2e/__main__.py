@@ -6,7 +6,10 @@ Synthesizes the dev stage, puts its state machines, new-data rule and job defini
 uploads the demo data to incoming/catalog/<version>/ (the _SUCCESS marker last), lets the rule's
 starter start the run, and runs each submitted Batch job locally (tests/e2e/local_batch.py).
 Prints the executed path (state, job, nodes, attempts, exit codes, seconds) and the execution
-status; exits 0 when the execution succeeded, 1 otherwise. Job logs: WORK_DIR/logs/.
+status. Then a run by hand on one node from the published model: every job is one process, so
+Compile and Train run their job definitions' commands unchanged (--backend xla, the stage's
+precision and NEURON_CC_FLAGS) on PJRT CPU. Exits 0 when both executions succeeded, 1 otherwise.
+What runs differently here and why: tests/e2e/substitutions.py. Job logs: WORK_DIR/logs/.
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ import sys
 import time
 from pathlib import Path
 
+from pipeline_steps.contract import run_path
 from pipeline_steps.demo_data import write_demo
 
 from tests.e2e.local_batch import clean
-from tests.e2e.world import E2EWorld
+from tests.e2e.world import E2EWorld, one_node_run_input
 
 DATASET, VERSION = "catalog", "v1"
 
@@ -43,8 +47,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"e2e: uploaded s3://{world.buckets['data_bucket']}/{key}; waiting for the run", flush=True)
         result = world.wait_for_run(f"{DATASET}-{VERSION}")
         print(world.format_path(result))
+        # The production commands unchanged: one node, one process per job (XLA, bf16, NEURON_CC_FLAGS).
+        print("e2e: a run on one node from the published model: Compile and Train as deployed", flush=True)
+        one_node = world.start_run(f"{DATASET}-{VERSION}-one-node", one_node_run_input(
+            DATASET, VERSION, init_from=run_path(f"{DATASET}-{VERSION}")))
+        print(world.format_path(one_node))
     print(f"e2e: {time.monotonic() - started:.0f} s wall time")
-    return 0 if result.status == "SUCCEEDED" else 1
+    return 0 if result.status == one_node.status == "SUCCEEDED" else 1
 
 
 if __name__ == "__main__":

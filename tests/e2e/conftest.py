@@ -6,6 +6,11 @@
                        (SIGKILL of the node's processes) once the first checkpoint exists
     rejected_run       after first_run: an upload (catalog/v2) whose pairs match no query to its
                        product, so the incremental model is worse than the published one
+    production_run     after rejected_run: a run started by hand on one node, with init_from = the
+                       published model, on the v2 data (the gate rejects it): one process per job, so
+                       Compile and Train run their definitions' commands unsubstituted (--backend xla,
+                       the stage's precision and NEURON_CC_FLAGS) on PJRT CPU
+    canary_run         the canary job as its schedule submits it
 Each run takes a few minutes on 2 cores; every assertion about it reuses the same result.
 """
 
@@ -21,10 +26,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline_steps.demo_data import write_demo
-from tests.e2e.local_batch import Fault
+from tests.e2e.local_batch import Fault, JobRun
 from tests.e2e.stage import Stage, synthesize
-from pipeline_steps.contract import CHECKPOINTS_DIR
-from tests.e2e.world import E2EWorld, RunResult, local_run_dir
+from pipeline_steps.contract import CHECKPOINTS_DIR, run_path
+from tests.e2e.world import E2EWorld, RunResult, local_run_dir, one_node_run_input
 
 PRESET = "tiny"
 DATASET = "catalog"
@@ -96,3 +101,16 @@ def rejected_run(e2e_world, first_run, demo_data, tmp_path_factory) -> RejectedR
     result = e2e_world.wait_for_run(f"{DATASET}-v2")
     print("\n" + e2e_world.format_path(result))
     return RejectedRun(result, pointer_before)
+
+
+@pytest.fixture(scope="package")
+def production_run(e2e_world, rejected_run) -> RunResult:
+    result = e2e_world.start_run(f"{DATASET}-v2-one-node",
+                                 one_node_run_input(DATASET, "v2", init_from=run_path(f"{DATASET}-v1")))
+    print("\n" + e2e_world.format_path(result))
+    return result
+
+
+@pytest.fixture(scope="package")
+def canary_run(e2e_world, production_run) -> JobRun:
+    return e2e_world.run_canary()

@@ -20,17 +20,10 @@ For each job the state machine submits (through moto, tests/infra/moto_batch.py 
   (https://docs.aws.amazon.com/batch/latest/APIReference/API_EvaluateOnExit.html,
   https://docs.aws.amazon.com/batch/latest/userguide/job_retries.html).
 
-What differs from AWS, on purpose and visibly (`LocalSetup.describe()` prints it):
-- paths: an argument under /fsx is mapped to a local directory (`fsx_root`); the data bucket's
-  incoming/ objects are copied to fsx_root/data/ before each job (the FSx data repository
-  association's auto-import);
-- this machine has no Trainium, EFA or Lustre: `--backend xla` runs as `--backend cpu` (torch-xla's
-  CPU client cannot run collectives across processes, pytorch/xla#5005; gloo stands in for the
-  Neuron collectives), sanity runs without `--fsx-path`, `--instance-type` and INSTANCE_TYPE (its
-  Lustre mount, device and EFA count checks), NPROC_PER_NODE is overridable (default 1), and
-  neuron_parallel_compile / neuron-ls / fi_info / nccom-test are recording stand-ins
-  (tests/e2e/standin.py);
-- every AWS API the steps call goes to the moto server (AWS_ENDPOINT_URL).
+What differs from AWS is listed, with its reason, in tests/e2e/substitutions.py (the one list;
+`LocalSetup.describe()` prints it): /fsx at a local directory, `--backend cpu` for XLA jobs of more
+than one process, sanity without its Lustre, device and EFA checks, NPROC_PER_NODE 1, recording
+stand-ins for the Neuron tools, moto for every AWS API the steps call (AWS_ENDPOINT_URL).
 """
 
 from __future__ import annotations
@@ -51,17 +44,16 @@ from pathlib import Path
 from typing import Any
 
 from tests.e2e import standin
+from tests.e2e.substitutions import (
+    DROPPED, FSX_MOUNT, PROCESSES_PER_NODE, SANITY_INSTANCE_TYPE, SUBSTITUTIONS, XLA_ACROSS_PROCESSES,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENTRYPOINT = REPO_ROOT / "training_image" / "entrypoint.sh"
-FSX = "/fsx"
+FSX = FSX_MOUNT.what
 LOOPBACK = "127.0.0.1"
-# Sanity flags whose checks need hardware this machine lacks: a Lustre mount (--fsx-path) and the
-# instance type's Neuron devices and EFA interfaces (--instance-type).
-DROPPED_FLAGS = ("--fsx-path", "--instance-type")
 RENDEZVOUS_PORT = 29500  # training_image/entrypoint.sh MASTER_PORT
 PORT_WAIT_S = 600.0
-INSTANCE_TYPE_ENV = "INSTANCE_TYPE"  # what sanity also reads for the expected counts; unset for it here
 # Seconds a child node may outlive the main node before it is stopped (Batch ends the job when
 # the main node exits).
 CHILD_GRACE_S = 30.0
@@ -204,32 +196,38 @@ class LocalSetup:
         return self.work_dir / "standins.jsonl"
 
     def describe(self) -> list[str]:
+        """Where things are here, then every substitution with its reason (substitutions.py)."""
         return [f"/fsx -> {self.fsx_root}", f"AWS APIs -> moto at {self.endpoint_url}",
-                "--backend xla -> --backend cpu (gloo across node processes; torch-xla CPU has no multi-process collectives)",
-                "sanity without --fsx-path, --instance-type, INSTANCE_TYPE (no Lustre, Neuron devices or EFA here)",
                 f"NPROC_PER_NODE={self.nproc_per_node}",
-                "neuron_parallel_compile, neuron-ls, fi_info, nccom-test: recording stand-ins"]
+                *(f"{s.what} -> {s.instead}: {s.reason}" for s in SUBSTITUTIONS)]
 
 
-def local_arguments(args: list[str], fsx_root: Path) -> list[str]:
-    """The container arguments as this machine can run them (see the module docstring)."""
+def local_arguments(args: list[str], fsx_root: Path, processes: int) -> list[str]:
+    """The container arguments as this machine can run them: only the argument substitutions of
+    substitutions.py that apply to this command and number of processes."""
+    command = args[0] if args else ""
+    dropped = {s.what for s in SUBSTITUTIONS if s.instead == DROPPED and s.applies(command, processes)}
+    cpu_for_xla = XLA_ACROSS_PROCESSES.applies(command, processes)
     out: list[str] = []
     i = 0
     while i < len(args):
         arg = args[i]
         nxt = args[i + 1] if i + 1 < len(args) else None
-        if arg in DROPPED_FLAGS and nxt is not None:
+        if arg in dropped and nxt is not None:
             i += 2
             continue
-        if arg == "--backend" and nxt == "xla":
+        if cpu_for_xla and arg == "--backend" and nxt == "xla":
             out += [arg, "cpu"]
             i += 2
             continue
-        if arg == FSX or arg.startswith(FSX + "/"):
-            arg = str(fsx_root) + arg[len(FSX):]
-        out.append(arg)
+        out.append(local_path(arg, fsx_root))
         i += 1
     return out
+
+
+def local_path(arg: str, fsx_root: Path) -> str:
+    """An argument under /fsx at its local place (FSX_MOUNT)."""
+    return str(fsx_root) + arg[len(FSX):] if arg == FSX or arg.startswith(FSX + "/") else arg
 
 
 class LocalBatch:
@@ -295,8 +293,10 @@ class LocalBatch:
                  number: int) -> Attempt:
         if self.before_job is not None:
             self.before_job()
-        argv = ["bash", str(ENTRYPOINT), *local_arguments(substitute(spec.command, parameters), self.setup.fsx_root)]
         node_count = run.nodes if spec.num_nodes is not None else None
+        processes = (node_count or 1) * self.setup.nproc_per_node
+        argv = ["bash", str(ENTRYPOINT),
+                *local_arguments(substitute(spec.command, parameters), self.setup.fsx_root, processes)]
         if node_count:
             _wait_for_free_port(RENDEZVOUS_PORT, PORT_WAIT_S)
         started, t0 = datetime.now(), time.monotonic()
@@ -340,16 +340,14 @@ class LocalBatch:
             "E2E_STANDIN_RECORD": str(setup.standin_record),
             # The job definition, then what Batch sets.
             **spec.environment,
-            "NPROC_PER_NODE": str(setup.nproc_per_node),
+            PROCESSES_PER_NODE.what: str(setup.nproc_per_node),
             "AWS_BATCH_JOB_ID": run.job_id if node_index is None else f"{run.job_id}#{node_index}",
             "AWS_BATCH_JOB_ATTEMPT": str(attempt),
             "AWS_BATCH_JQ_NAME": queue,
             "AWS_BATCH_CE_NAME": self.compute_environment,
         }
-        if spec.command[:1] == ["sanity"]:
-            # sanity checks the host against INSTANCE_TYPE's Neuron devices and EFA interfaces,
-            # which this machine does not have (see DROPPED_FLAGS).
-            env.pop(INSTANCE_TYPE_ENV, None)
+        if SANITY_INSTANCE_TYPE.applies(spec.command[0], (num_nodes or 1) * setup.nproc_per_node):
+            env.pop(SANITY_INSTANCE_TYPE.what, None)
         (setup.work_dir / "tmp").mkdir(exist_ok=True)
         if run.array_index is not None:
             env["AWS_BATCH_JOB_ARRAY_INDEX"] = str(run.array_index)

@@ -21,7 +21,9 @@ if str(INFRA_TESTS) not in sys.path:
     sys.path.insert(0, str(INFRA_TESTS))
 
 import aws_cdk as cdk  # noqa: E402
-from infra_synth import TEST_IMAGE, cdk_json_context, stage_config, template_json  # noqa: E402
+from infra_synth import (  # noqa: E402
+    TEST_DIAGNOSIS_ASSET_HASH, TEST_IMAGE, cdk_json_context, stage_config, template_json,
+)
 
 from stacks.stages import build_stage  # noqa: E402
 
@@ -106,5 +108,5 @@ def synthesize(preset: str = "tiny") -> Stage:
     cfg = stage_config(STAGE)
     cfg = replace(cfg, training=replace(cfg.training, preset=preset))
     app = cdk.App(context=cdk_json_context())
-    stacks = build_stage(app, cfg, image_uri=TEST_IMAGE)
+    stacks = build_stage(app, cfg, image_uri=TEST_IMAGE, diagnosis_asset_hash=TEST_DIAGNOSIS_ASSET_HASH)
     return Stage(stacks=stacks, templates={role: template_json(app, stack) for role, stack in stacks.items()})

@@ -1,18 +1,25 @@
 """End to end: the synthesized dev pipeline, started by an upload, runs every job's real command
-(entrypoint, parameters, environment, nodes) through the local Batch. Runs: conftest.py."""
+(entrypoint, parameters, environment, nodes) through the local Batch. Runs: conftest.py; what runs
+differently here and why: substitutions.py."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pyarrow.parquet as pq
 import pytest
 
 from pipeline_steps.contract import (
-    CHECKPOINTS_DIR, EMBEDDINGS_DIR, EMBEDDINGS_MANIFEST, GATE_REPORT, PREPARE_REPORT, PREPARED_DIR, VALIDATION_METRICS,
-    run_key, run_path,
+    CHECKPOINTS_DIR, COMPILE_REPORT, EMBEDDINGS_DIR, EMBEDDINGS_MANIFEST, GATE_REPORT, PREPARE_REPORT, PREPARED_DIR,
+    TRAIN_SUMMARY, VALIDATION_METRICS, run_key, run_path,
 )
+from pipeline_steps.checkpoint import load
+from stacks.constructs.job_definitions import construct_name
 from tests.e2e.conftest import DATASET, KILLED_NODE
+from tests.e2e.local_batch import JobDefinitionSpec, local_path, substitute
+from tests.e2e.stage import INFRA_TESTS
+from tests.e2e.substitutions import never_runs_here
 
 pytestmark = pytest.mark.slow
 
@@ -151,19 +158,88 @@ def test_compile_and_train_get_identical_commands_compiler_flags_and_cache(first
     assert compile_env["NEURON_COMPILE_CACHE_URL_BASE"] == train_env["NEURON_COMPILE_CACHE_URL_BASE"]
 
 
-@pytest.fixture(scope="package")
-def explicit_init_run(e2e_world, rejected_run):
-    """A manual run with init_from = the published model, given in the input. It trains on the
-    mismatched v2 upload, so the gate rejects it and the run ends after Validate (no Embed)."""
-    e2e_world.sfn.start_execution(stateMachineArn=e2e_world.pipeline_arn, name=f"{DATASET}-v2-incremental",
-                                  input=f'{{"dataset": "{DATASET}", "version": "v2", "embed_shards": 2, '
-                                        f'"data_uri": "/fsx/data/incoming/{DATASET}/v2", '
-                                        f'"init_from": "/fsx/runs/{DATASET}-v1"}}')
-    result = e2e_world.wait_for_run(f"{DATASET}-v2-incremental")
-    print("\n" + e2e_world.format_path(result))
-    return result
-
-
-def test_an_explicit_init_from_run_is_gated_against_the_published_metrics(explicit_init_run):
-    validate = next(job for job in explicit_init_run.jobs if job.definition == "validate")
+def test_an_explicit_init_from_run_is_gated_against_the_published_metrics(production_run):
+    validate = next(job for job in production_run.jobs if job.definition == "validate")
     assert validate.parameters["previous_metrics"] == run_path(f"{DATASET}-v1", VALIDATION_METRICS)
+
+
+
+# ---- one node, one process: the production command unchanged; what no scenario ran ---------------
+def flag_values(args: list[str]) -> set[tuple[str, str | None]]:
+    """(flag, its value, or None for a switch) of a command line."""
+    return {(arg, args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else None)
+            for i, arg in enumerate(args) if arg.startswith("--")}
+
+
+def definitions(e2e_world) -> dict[str, JobDefinitionSpec]:
+    return {spec.name: spec for spec in e2e_world.batch.definitions.values()}
+
+
+def test_one_node_compile_and_train_run_their_job_definitions_unchanged(e2e_world, production_run):
+    """With one process per job nothing needs gloo: the Compile and Train jobs run exactly what the
+    definitions say (Batch's parameters filled in, /fsx at its local place): --backend xla, the
+    stage's precision, NEURON_CC_FLAGS and every other variable, on PJRT CPU."""
+    specs, fsx = definitions(e2e_world), e2e_world.batch.setup.fsx_root
+    by_step = {job.definition: job for job in production_run.jobs}
+    for name in ("compile", "train"):
+        job, spec = by_step[name], specs[name]
+        attempt = job.attempts[-1]
+        assert job.nodes == 1 and attempt.exit_code == 0, attempt.logs[0].read_text()[-3000:]
+        assert attempt.argv[2:] == [local_path(arg, fsx) for arg in substitute(spec.command, job.parameters)]
+        assert {("--backend", "xla"), ("--bf16", None)} <= flag_values(attempt.argv)
+        environment = attempt.environments[0]
+        assert {k: environment.get(k) for k in spec.environment if k != "NPROC_PER_NODE"} == {
+            k: v for k, v in spec.environment.items() if k != "NPROC_PER_NODE"}
+        assert environment["NEURON_CC_FLAGS"].startswith("--target trn1 ") and environment["NPROC_PER_NODE"] == "1"
+    run_dir = e2e_world.run_dir(production_run.name)
+    trial = json.loads((run_dir / COMPILE_REPORT).read_text())
+    assert trial["mode"] == "xla-cpu-trial" and len(trial["batch_shapes"]) == len(trial["buckets"])
+    summary = json.loads((run_dir / TRAIN_SUMMARY).read_text())
+    assert summary["backend"] == "xla" and load(summary["checkpoint"])["config"]["train"]["bf16"] is True
+    # Training compiled nothing the Compile job had not traced, and nothing after warm-up.
+    assert summary["xla"]["graphs_not_in_compile_cache"] == 0 and summary["xla"]["compiles_after_warmup"] == 0
+
+
+def production_job_definitions() -> dict[str, tuple[str, set[str]]]:
+    """The prod stage's job definitions as deployed (its committed snapshot, which
+    tests/infra/test_snapshots.py keeps equal to the synthesis): construct id -> (step command,
+    every flag and environment variable)."""
+    (path,) = (INFRA_TESTS / "snapshots").glob("*-prod-Compute.json")
+    out = {}
+    for logical_id, resource in json.loads(path.read_text())["Resources"].items():
+        if resource["Type"] == "AWS::Batch::JobDefinition":
+            props = resource["Properties"]
+            container = props.get("ContainerProperties") or props["NodeProperties"]["NodeRangeProperties"][0]["Container"]
+            names = {arg for arg in container["Command"] if arg.startswith("--")}
+            out[logical_id] = (container["Command"][0], names | {e["Name"] for e in container.get("Environment", [])})
+    return out
+
+
+def ran_unsubstituted(e2e_world) -> dict[str, set[str]]:
+    """Per job definition: the flags and variables some attempt ran with the definition's value
+    (Batch's parameters filled in, /fsx at its local place)."""
+    specs, fsx, out = definitions(e2e_world), e2e_world.batch.setup.fsx_root, {}
+    for job in e2e_world.batch.runs:
+        spec = specs[job.definition]
+        given = flag_values([local_path(arg, fsx) for arg in substitute(spec.command, job.parameters)])
+        for attempt in job.attempts:
+            ran = given & flag_values(attempt.argv)
+            out.setdefault(job.definition, set()).update(flag for flag, _ in ran)
+            out[job.definition].update(k for k, v in spec.environment.items() if attempt.environments[0].get(k) == v)
+    return out
+
+
+def test_every_production_flag_and_variable_ran_unsubstituted_in_some_scenario(
+        e2e_world, first_run, rejected_run, production_run, canary_run):
+    """A flag or variable added to a production job definition must run here as given in some
+    scenario, or substitutions.py must say why it cannot (an entry that never runs here)."""
+    assert canary_run.succeeded, canary_run.attempts[-1].logs[0].read_text()[-3000:]
+    ran = ran_unsubstituted(e2e_world)
+    steps = {rf"Jobs{construct_name(name)}JobDefinition[0-9A-F]{{8}}": name for name in definitions(e2e_world)}
+    missing = {}
+    for logical_id, (command, names) in production_job_definitions().items():
+        (step,) = [name for pattern, name in steps.items() if re.fullmatch(pattern, logical_id)]
+        unrun = sorted(n for n in names if n not in ran.get(step, set()) and not never_runs_here(command, n))
+        if unrun:
+            missing[step] = unrun
+    assert missing == {}, f"never ran as the job definition gives them, and not in substitutions.py: {missing}"

@@ -49,8 +49,12 @@ def test_parameters_replace_placeholders_with_defaults_underneath(specs):
     assert command[command.index("--preset") + 1] == train.command[train.command.index("--preset") + 1] == "tiny"
 
 
-def test_local_arguments_map_fsx_and_the_backend(tmp_path, specs):
-    args = local_arguments(["sanity", "--run-dir", "/fsx/runs/r1", "--fsx-path", "/fsx", "--backend", "xla",
-                            "--instance-type", "trn1.32xlarge", "--data", "/fsxdata"], tmp_path)
-    assert args == ["sanity", "--run-dir", f"{tmp_path}/runs/r1", "--backend", "cpu", "--data", "/fsxdata"]
+def test_local_arguments_apply_only_the_listed_substitutions(tmp_path, specs):
+    sanity = ["sanity", "--run-dir", "/fsx/runs/r1", "--fsx-path", "/fsx", "--backend", "xla", "--data", "/fsxdata"]
+    assert local_arguments(sanity, tmp_path, processes=2) == [
+        "sanity", "--run-dir", f"{tmp_path}/runs/r1", "--backend", "cpu", "--data", "/fsxdata"]
+    # One process: the training command as the job definition gives it, /fsx at its local place.
+    train = ["train", "--run-dir", "/fsx/runs/r1", "--backend", "xla", "--bf16", "--fsx-path", "/fsx"]
+    assert local_arguments(train, tmp_path, processes=1) == [
+        "train", "--run-dir", f"{tmp_path}/runs/r1", "--backend", "xla", "--bf16", "--fsx-path", str(tmp_path)]
     assert specs["train"].environment["NEURON_COMPILE_CACHE_URL_BASE"] == f"s3://{BUCKETS['cache_bucket']}/neuron"

@@ -24,7 +24,7 @@ import boto3
 from moto import mock_aws
 from moto.server import ThreadedMotoServer
 
-from pipeline_steps.contract import FSX_MOUNT_POINT, run_path
+from pipeline_steps.contract import CANARY_JOB, FSX_INCOMING, FSX_MOUNT_POINT, run_path
 from tests.e2e.local_batch import JobDefinitionSpec, JobRun, LocalBatch, LocalSetup
 from tests.e2e.stage import Stage, synthesize
 
@@ -33,7 +33,15 @@ from moto_batch import eventbridge_starts_executions, patched_moto_batch  # test
 MOTO_CONFIG = {"stepfunctions": {"execute_state_machine": True}, "batch": {"use_docker": False}}
 BUCKETS = {"data_bucket": "trnembed-dev-data", "artifacts_bucket": "trnembed-dev-artifacts",
            "cache_bucket": "trnembed-dev-cache"}
+SINGLE_NODE_QUEUE = "single-node"  # the canary's queue (stacks/constructs/trainium_compute.py)
 DATA_REPOSITORY_PREFIX = "incoming/"  # what the FSx data repository association imports to /fsx/data/
+
+
+def one_node_run_input(dataset: str, version: str, *, init_from: str) -> dict[str, Any]:
+    """The input of a run started by hand on one node: every job is one process, so the Compile and
+    Train jobs run their production commands unsubstituted (substitutions.py)."""
+    return {"dataset": dataset, "version": version, "data_uri": f"{FSX_INCOMING}/{dataset}/{version}",
+            "init_from": init_from, "num_nodes": 1, "embed_shards": 2}
 
 
 def local_run_dir(fsx_root: Path, run_id: str) -> Path:
@@ -65,6 +73,8 @@ class E2EWorld:
         self.preset = preset
         self.stage = stage
         self._stack = ExitStack()
+        self._queue_arns: dict[str, str] = {}
+        self._definition_arns: dict[str, str] = {}
 
     # ---- set-up ----------------------------------------------------------------------------
     def __enter__(self) -> "E2EWorld":
@@ -120,6 +130,7 @@ class E2EWorld:
                 jobQueueName=name, state="ENABLED", priority=1,
                 computeEnvironmentOrder=[{"order": 1, "computeEnvironment": ce}])["jobQueueArn"]
             self.stage.bind("compute", queue, arn, JobQueueArn=arn)
+            self._queue_arns[name] = arn
         templates = self.stage.templates["compute"]["Resources"]
         definitions: dict[str, JobDefinitionSpec] = {}
         for name, job_definition in compute.job_definitions.items():
@@ -132,6 +143,7 @@ class E2EWorld:
                                      "vcpus": 1, "memory": 128, "command": spec.command})["jobDefinitionArn"]
             self.stage.bind("compute", job_definition, arn)
             definitions[arn] = spec
+            self._definition_arns[name] = arn
         return definitions
 
     def _create_topic(self) -> None:
@@ -149,6 +161,9 @@ class E2EWorld:
     def _create_state_machines(self) -> None:
         pipeline = self.stage.stacks["pipeline"]
         role = f"arn:aws:iam::{self.stage.account}:role/states"
+        # The failure classifier runs in this process (moto_batch.py's Lambda hook).
+        classifier = f"arn:aws:lambda:{self.stage.region}:{self.stage.account}:function:FailureClassifier"
+        self.stage.bind("pipeline", pipeline.diagnosis.function, "FailureClassifier", Arn=classifier)
         self.pipeline_arn = self.sfn.create_state_machine(
             name="TrainingPipeline", roleArn=role,
             definition=json.dumps(self.stage.state_machine_definition(pipeline.pipeline.state_machine)))["stateMachineArn"]
@@ -187,6 +202,22 @@ class E2EWorld:
                     continue
                 target.parent.mkdir(parents=True, exist_ok=True)
                 self.s3.download_file(self.buckets["data_bucket"], obj["Key"], str(target))
+
+    def start_run(self, name: str, run_input: dict[str, Any]) -> RunResult:
+        """A run started by hand (`aws stepfunctions start-execution`), once it has finished."""
+        self.sfn.start_execution(stateMachineArn=self.pipeline_arn, name=name, input=json.dumps(run_input))
+        return self.wait_for_run(name)
+
+    def run_canary(self, timeout_s: float = 600.0) -> JobRun:
+        """The canary as its schedule submits it (no parameters: run_id "latest"), once it has finished."""
+        job_id = self._batch_api.submit_job(jobName=CANARY_JOB, jobQueue=self._queue_arns[SINGLE_NODE_QUEUE],
+                                            jobDefinition=self._definition_arns[CANARY_JOB])["jobId"]
+        deadline = time.monotonic() + timeout_s
+        while self._batch_api.describe_jobs(jobs=[job_id])["jobs"][0]["status"] not in ("SUCCEEDED", "FAILED"):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the canary job {job_id} did not finish in {timeout_s:g} s")
+            time.sleep(0.5)
+        return next(run for run in self.batch.runs if run.job_id == job_id)
 
     def wait_for_run(self, name: str, timeout_s: float = 1200.0) -> RunResult:
         """The pipeline execution called `name`, once it has finished."""

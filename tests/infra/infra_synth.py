@@ -3,7 +3,8 @@
 Shared by tests/infra/conftest.py (session fixtures) and scripts/infra_diff.py (snapshot diff),
 so the committed snapshots, the tests and the reviewer's diff are the same synthesis:
 a fixed account, the stage's pinned region, cdk.json's feature flags, and a registry image in
-place of the training image asset (so asset hashes never churn the snapshots).
+place of the training image asset and a fixed hash for the failure classifier's code (so asset
+hashes never churn the snapshots).
 """
 
 from __future__ import annotations
@@ -27,11 +28,14 @@ if str(REPO_ROOT) not in sys.path:
 import aws_cdk as cdk  # noqa: E402
 from cdk_nag import AwsSolutionsChecks  # noqa: E402
 
+from pipeline_steps.contract import NEURON_SDK  # noqa: E402
 from stacks.config import StageConfig, get_stage  # noqa: E402
 from stacks.stages import build_stage  # noqa: E402
 
 TEST_ACCOUNT = "123456789012"
-TEST_IMAGE = "public.ecr.aws/neuron/pytorch-training-neuronx:2.9.0-neuronx-py312-sdk2.30.0-ubuntu24.04"
+TEST_IMAGE = NEURON_SDK.training_image
+# The failure classifier's code asset gets this fixed hash, so a new rule does not churn the snapshots.
+TEST_DIAGNOSIS_ASSET_HASH = "test-only-failure-classifier-code"
 SNAPSHOT_DIR = Path(__file__).resolve().parent / "snapshots"
 SNAPSHOT_STAGES = ("dev", "prod")
 """Stages with committed template snapshots: prod is the one deployed, so reviewers see it change."""
@@ -63,7 +67,7 @@ def stage_config(name: str, *, account: str = TEST_ACCOUNT, region: str | None =
 def build(name: str, *, nag: bool = True, outdir: str | None = None) -> tuple[cdk.App, dict[str, cdk.Stack]]:
     """A new App with the stage's stacks (registry image injected), cdk-nag attached."""
     app = cdk.App(context=cdk_json_context(), outdir=outdir)
-    stacks = build_stage(app, stage_config(name), image_uri=TEST_IMAGE)
+    stacks = build_stage(app, stage_config(name), image_uri=TEST_IMAGE, diagnosis_asset_hash=TEST_DIAGNOSIS_ASSET_HASH)
     if nag:
         cdk.Aspects.of(app).add(AwsSolutionsChecks())
     return app, stacks

@@ -20,17 +20,27 @@ Test hooks on the returned `BatchHooks`:
   jobs SUCCEEDED unless MOTO_SIMPLE_BATCH_FAIL_AFTER is set; we set it per job).
 - `running_job_definitions`: job definition names whose jobs stay RUNNING (the stall watchdog's
   subjects; TerminateJob then ends them FAILED, as on AWS).
+- `runnable_job_definitions`: job definition names whose jobs stay RUNNABLE (no capacity; the
+  queue-wait watchdog's subjects; CancelJob then ends them FAILED, as on AWS).
 - `throttle_submits`: the next N SubmitJob calls raise TooManyRequestsException.
 - `throttle_start_executions`: the next N states:startExecution calls raise ThrottlingException
   (and names the API refuses are refused in the integration too).
+- `start_execution_faults`: (error code, performed) per next states:startExecution call: the call
+  raises that error, after starting the execution when `performed` (a response lost on the way back).
 - `fail_sns_subjects`: sns:publish tasks whose Subject contains one of these fail (InternalError);
   `sns_attempts` counts the attempts per listed subject.
 - `before_put_current`: callables run (once each) just before the next aws-sdk s3:putObject of
   models/current.json: another run's publish landing between our read and our write.
 - `instant_waits`: Wait states return at once (moto sleeps for real) and `waits` records the
   seconds each asked for; what a test checks is the state order and the waited duration.
+  `on_wait(n)`, when set, runs as the n-th Wait ends (e.g. a heartbeat arriving during the waits).
 - `run_job`: when set, called as run_job(job, submitted) instead of marking the job done: it runs
   the job (tests/e2e/local_batch.py), fills its attempts and returns whether it succeeded.
+- `lambda_handler`: what a lambda:invoke task runs, in this process (moto would start the function
+  in Docker); by default the failure classifier (pipeline_steps/diagnosis/handler.py: classify_failure,
+  and its metric line into `lambda_stdout`). `lambda_events` / `lambda_results` record each call; an
+  exception becomes the FunctionError response Lambda returns for an unhandled error. `fail_lambda`:
+  raise instead.
 
 `eventbridge_starts_executions()`: moto's EventBridge delivers to logs, SQS and event buses only;
 this adds Step Functions targets, so a rule whose target is a state machine starts an execution
@@ -41,6 +51,7 @@ Remove this module when moto fills the hooks itself.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 
 from contextlib import contextmanager
@@ -51,6 +62,7 @@ from unittest import mock
 
 import boto3
 from botocore.exceptions import ClientError
+from moto.batch.models import Job, JobStatus
 from moto.batch_simple.models import BatchSimpleBackend
 from moto.stepfunctions.models import StepFunctionBackend
 from moto.stepfunctions.parser.asl.component.state.exec.state_task.service import (
@@ -65,6 +77,7 @@ from moto.stepfunctions.parser.asl.component.state.exec.state_task.service impor
 from moto.stepfunctions.parser.asl.component.state.exec.state_task.service import (
     state_task_service_sns as sns_module,
 )
+from moto.stepfunctions.parser.asl.component.state.exec.state_task import lambda_eval_utils
 from moto.stepfunctions.parser.asl.component.state.wait.wait_function.wait_function import WaitFunction
 from moto.stepfunctions.parser.backend.execution_worker import ExecutionWorker
 
@@ -76,15 +89,23 @@ class BatchHooks:
     submitted: list[dict] = field(default_factory=list)
     fail_job_definitions: set[str] = field(default_factory=set)
     running_job_definitions: set[str] = field(default_factory=set)
+    runnable_job_definitions: set[str] = field(default_factory=set)
     throttle_submits: int = 0
     throttled: int = 0
     throttle_start_executions: int = 0
+    start_execution_faults: list[tuple[str, bool]] = field(default_factory=list)
     fail_sns_subjects: set[str] = field(default_factory=set)
     sns_attempts: dict[str, int] = field(default_factory=dict)
     before_put_current: list[Callable[[], None]] = field(default_factory=list)
     instant_waits: bool = False
     waits: list[int] = field(default_factory=list)
+    on_wait: Callable[[int], None] | None = None
     run_job: Callable[[Any, list[dict]], bool] | None = None
+    lambda_handler: Callable[[dict, Any], Any] | None = None
+    fail_lambda: bool = False
+    lambda_events: list[dict] = field(default_factory=list)
+    lambda_results: list[Any] = field(default_factory=list)
+    lambda_stdout: list[str] = field(default_factory=list)
 
 
 def _iso_timestamps(value) -> None:
@@ -150,6 +171,10 @@ def patched_moto_batch() -> Iterator[BatchHooks]:
             job.log_stream_name = job._stream_name
             job._mark_stopped(success=hooks.run_job(job, hooks.submitted))
             return
+        if job.job_definition.name in hooks.runnable_job_definitions:
+            self.backend._jobs[job.job_id] = job
+            job.status = JobStatus.RUNNABLE
+            return
         if job.job_definition.name in hooks.running_job_definitions:
             self.backend._jobs[job.job_id] = job
             job.job_started_at = datetime.datetime.now()
@@ -161,6 +186,15 @@ def patched_moto_batch() -> Iterator[BatchHooks]:
             if not fail:
                 os.environ.pop("MOTO_SIMPLE_BATCH_FAIL_AFTER", None)
             original_finish(self, include_start_attempt, job)
+
+    original_terminate = Job.terminate
+
+    def terminate(self, reason):
+        # TerminateJob / CancelJob only flag the job for moto's Docker runner; a job these hooks
+        # hold (RUNNING or RUNNABLE) ends FAILED with the reason, as on AWS.
+        original_terminate(self, reason)
+        if self.job_definition.name in hooks.running_job_definitions | hooks.runnable_job_definitions:
+            self._mark_stopped(success=False)
 
     def sdk_normalise_parameters(self, parameters, boto_service_name=None, service_action_name=None):
         # Only Batch's botocore names differ (jobs, jobId); S3/CloudWatch names are already the
@@ -213,6 +247,8 @@ def patched_moto_batch() -> Iterator[BatchHooks]:
         if not hooks.instant_waits:
             return original_wait_interval(self, env, wait_seconds)
         hooks.waits.append(wait_seconds)
+        if hooks.on_wait is not None:
+            hooks.on_wait(len(hooks.waits))
 
     sfn_cls = sfn_module.StateTaskServiceSfn
     sfn_original_parameters = sfn_cls._normalise_parameters
@@ -227,10 +263,16 @@ def patched_moto_batch() -> Iterator[BatchHooks]:
         # the same rules (StepFunctionBackend._validate_name) as the service's API would.
         name = normalised_parameters.get("name", "")
         if len(name) > 80:
-            raise _client_error("ValidationException", 400, "StartExecution")
+            # the API code ValidationException, which Step Functions reports as StepFunctions.ValidationException
+            raise _client_error("Validation", 400, "StartExecution")
         if any(c in name for c in [*StepFunctionBackend.invalid_chars_for_name,
                                    *StepFunctionBackend.invalid_unicodes_for_name]):
             raise _client_error("InvalidName", 400, "StartExecution")
+        if hooks.start_execution_faults:
+            code, performed = hooks.start_execution_faults.pop(0)
+            if performed:
+                sfn_original_eval(self, env, resource_runtime_part, normalised_parameters, state_credentials)
+            raise _client_error(code, 500 if performed else 400, "StartExecution")
         return sfn_original_eval(self, env, resource_runtime_part, normalised_parameters, state_credentials)
 
     def sfn_normalise_parameters(self, parameters, boto_service_name=None, service_action_name=None):
@@ -244,6 +286,29 @@ def patched_moto_batch() -> Iterator[BatchHooks]:
             for key, value in list(response.items()):
                 if hasattr(value, "isoformat"):
                     response[key] = value.isoformat()
+
+    def classifier(event, region):
+        # The function's handler minus its process-wide parts (boto3's default region, stdout): the
+        # executions run on worker threads while the test's main thread prints.
+        from pipeline_steps.diagnosis import handler
+
+        result = handler.classify_failure(event, boto3.client("batch", region_name=region),
+                                          boto3.client("logs", region_name=region))
+        hooks.lambda_stdout.append(handler.metric_line(result, namespace="TrainiumEmbeddings", stage="test"))
+        return result
+
+    def invoke_lambda(parameters, region, state_credentials):
+        event = json.loads(parameters.get("Payload") or b"{}")
+        hooks.lambda_events.append(event)
+        try:
+            if hooks.fail_lambda:
+                raise RuntimeError("test hook: fail_lambda")
+            result = hooks.lambda_handler(event, None) if hooks.lambda_handler else classifier(event, region)
+        except Exception as exc:  # noqa: BLE001 -- what Lambda reports for an unhandled error
+            return {"StatusCode": 200, "FunctionError": "Unhandled",
+                    "Payload": {"errorType": type(exc).__name__, "errorMessage": str(exc)}}
+        hooks.lambda_results.append(result)
+        return {"StatusCode": 200, "ExecutedVersion": "$LATEST", "Payload": result}
 
     supported = dict(batch_module._SUPPORTED_API_PARAM_BINDINGS)
     supported["submitjob"] = supported["submitjob"] | {"ShareIdentifier", "SchedulingPriorityOverride", "NodeOverrides"}
@@ -262,6 +327,8 @@ def patched_moto_batch() -> Iterator[BatchHooks]:
             mock.patch.object(sfn_cls, "_normalise_parameters", sfn_normalise_parameters), \
             mock.patch.object(sfn_cls, "_normalise_response", sfn_normalise_response), \
             mock.patch.object(BatchSimpleBackend, "_mark_job_as_finished", mark_job_as_finished), \
+            mock.patch.object(Job, "terminate", terminate), \
+            mock.patch.object(lambda_eval_utils, "_invoke_lambda_function", invoke_lambda), \
             mock.patch.object(batch_module, "_SUPPORTED_API_PARAM_BINDINGS", supported):
         yield hooks
 

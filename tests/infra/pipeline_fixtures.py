@@ -11,9 +11,11 @@ from dataclasses import dataclass
 from aws_cdk import App, Duration, Environment, Stack
 from aws_cdk import aws_batch as batch
 from aws_cdk import aws_kms as kms
+from aws_cdk import aws_logs as logs
 from aws_cdk import aws_s3 as s3
 from aws_cdk.assertions import Template
 
+from infra_synth import TEST_DIAGNOSIS_ASSET_HASH
 from stacks.constructs.job_definitions import JobDefinitionRef
 from stacks.pipeline_config import PipelineConfig
 from stacks.pipeline_stack import PipelineStack
@@ -28,7 +30,7 @@ QUEUE_WAIT = Duration.minutes(240)
 
 
 class StandInDependencies(Stack):
-    """key, data_bucket, artifacts_bucket, queues (fair share), job_definitions (by name)."""
+    """key, data_bucket, artifacts_bucket, queues (fair share), job_definitions (by name), job_log_group."""
 
     def __init__(self, scope, construct_id: str) -> None:
         super().__init__(scope, construct_id, env=ENV)
@@ -47,6 +49,7 @@ class StandInDependencies(Stack):
         self.job_definitions = {name: JobDefinitionRef(name=name, timeout=Duration.hours(ATTEMPT_HOURS.get(name, 4)),
                                                        retry_attempts=3)
                                 for name in JOB_DEFINITIONS}
+        self.job_log_group = logs.LogGroup(self, "JobLogs", encryption_key=self.key)
 
 
 def build(config: PipelineConfig | None = None) -> tuple[PipelineStack, StandInDependencies]:
@@ -54,9 +57,10 @@ def build(config: PipelineConfig | None = None) -> tuple[PipelineStack, StandInD
     deps = StandInDependencies(app, "Deps")
     stack = PipelineStack(app, "Pipeline", config=config or PipelineConfig(), stage="dev",
                           data_bucket=deps.data_bucket, artifacts_bucket=deps.artifacts_bucket,
-                          queues=deps.queues, job_definitions=deps.job_definitions,
+                          queues=deps.queues, job_definitions=deps.job_definitions, job_log_group=deps.job_log_group,
                           instance_types={"training": "trn1.32xlarge", "single-node": "trn1.2xlarge"},
-                          max_nodes=MAX_NODES, queue_wait=QUEUE_WAIT, env=ENV)
+                          max_nodes=MAX_NODES, queue_wait=QUEUE_WAIT, diagnosis_asset_hash=TEST_DIAGNOSIS_ASSET_HASH,
+                          env=ENV)
     return stack, deps
 
 
@@ -65,9 +69,10 @@ def template(config: PipelineConfig | None = None) -> Template:
 
 
 # ---- synthesized once per test session (a synth costs ~30 s of jsii start-up and CDK work) ------
-# Short retry intervals so the moto executions that exercise retries stay fast; the template
-# assertions check the same values come from the config.
-TEST_CONFIG = PipelineConfig(retry_interval_seconds=1, retry_max_delay_seconds=2, retry_max_attempts=3)
+# Short retry intervals and watchdog bounds so the moto executions that exercise retries and the
+# watchdog's polls stay fast; the template assertions check the same values come from the config.
+TEST_CONFIG = PipelineConfig(retry_interval_seconds=1, retry_max_delay_seconds=2, retry_max_attempts=3,
+                             startup_minutes=5, stall_timeout_minutes=5, first_heartbeat_minutes=16)
 
 
 @functools.lru_cache(maxsize=1)

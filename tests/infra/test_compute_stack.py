@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 
 import pytest
 from aws_cdk import App, CfnOutput, CfnResource, Environment, Stack
@@ -86,7 +87,8 @@ def test_boot_script_fails_fast_and_mounts_fsx():
     rendered = node_boot_script(spec, min_driver="2.27", fsx_dns_name="fs-1.fsx", fsx_mount_name="abcd")
     assert "EXPECTED_EFA=16" in rendered and "EXPECTED_NEURON=16" in rendered and "MIN_DRIVER=2.27" in rendered
     assert "sort -V" in rendered and "shutdown -h now" in rendered
-    assert 'mount -t lustre -o noatime,flock "$FSX_DNS@tcp:/$FSX_MOUNT_NAME" /fsx' in rendered
+    assert 'mount -t lustre -o noatime,flock "$FSX_DNS@tcp:/$FSX_MOUNT_NAME" "$ROOT$FSX"' in rendered
+    # Executed for every host type and failure path in test_node_boot.py.
     assert "for attempt in $(seq 1 10)" in rendered
     assert "dnf install -y lustre-client" in rendered
 
@@ -332,15 +334,20 @@ def test_optional_parameters_have_empty_defaults(dev_templates):
 def test_compile_and_train_run_the_stage_preset_precision_and_compiler_flags(request, templates_fixture):
     """Baked in from the stage config, not Batch parameters: a submission cannot give Compile and
     Train different values (the compile cache would then miss)."""
-    config = request.getfixturevalue(templates_fixture.replace("templates", "config")).training
+    stage = request.getfixturevalue(templates_fixture.replace("templates", "config"))
+    config = stage.training
+    # The compiler target is the training instance family's (prod trains on trn1n, dev on trn1).
+    target = {"trn1.32xlarge": "trn1", "trn1n.32xlarge": "trn1n"}[stage.compute.training_instance_type]
     for step in ("compile", "train"):
         container = _container(_job_definition(request.getfixturevalue(templates_fixture)["compute"], step))
         command = container["Command"]
         assert command[command.index("--preset") + 1] == config.preset == "base"
         assert "--bf16" in command and config.precision == "bf16"
         env = {e["Name"]: e["Value"] for e in container["Environment"]}
-        assert env["NEURON_CC_FLAGS"] == config.neuron_cc_flags
+        assert env["NEURON_CC_FLAGS"] == f"--target {target} {config.neuron_cc_flags}"
         assert env["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "1"
+        # Ranks waiting at the rendezvous while rank 0 writes a checkpoint wait inside an execution.
+        assert env["NEURON_RT_EXEC_TIMEOUT"] == "600"
 
 
 def test_embed_takes_the_shard_count_as_a_parameter(dev_templates):
@@ -390,6 +397,26 @@ def test_job_role_least_privilege(dev_templates):
         if "DataBucket" in resources:
             assert not any(a.startswith(("s3:Put", "s3:Delete")) for a in s["Action"]), s
     assert "ArtifactsBucket" in text and "CacheBucket" in text and "kms:Decrypt" in text
+
+
+def _object_keys(resource) -> str:
+    """'<bucket>/<key pattern>' of an object ARN in a policy (Fn::Join of the bucket ARN and the keys)."""
+    bucket_arn, keys = resource["Fn::Join"][1]
+    (bucket,) = set(re.findall(r"(Data|Artifacts|Cache)Bucket", json.dumps(bucket_arn)))
+    return f"{bucket}Bucket{keys}"
+
+
+@pytest.mark.parametrize("stage", ["dev", "prod"])
+def test_steps_write_only_below_runs_never_the_published_pointer(dev_templates, prod_templates, stage):
+    # models/current.json is written by the pipeline's Publish state alone (conditional writes);
+    # a step may write its run's outputs (runs/), the compile cache and, with MLflow, its artifacts.
+    statements = _job_role_statements({"dev": dev_templates, "prod": prod_templates}[stage]["compute"])
+    writes = {_object_keys(r) for s in statements for r in (s["Resource"] if isinstance(s["Resource"], list)
+                                                             else [s["Resource"]])
+              if any(a.startswith(("s3:Put", "s3:Delete", "s3:Abort")) for a in s["Action"]) and "Fn::Join" in r}
+    expected = {"ArtifactsBucket/runs/*", "CacheBucket/neuron/*"} | ({"ArtifactsBucket/mlflow/*"} if stage == "prod"
+                                                                     else set())
+    assert writes == expected
 
 
 def test_no_public_ip_or_admin(dev_templates):

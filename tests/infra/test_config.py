@@ -155,9 +155,14 @@ def test_committed_pin_file_is_what_the_stages_use():
 
 def test_pin_file_loader(tmp_path):
     path = tmp_path / "pins.json"
+    path.write_text(json.dumps({"us-west-2": {"image_id": "ami-0123456789abcdef0", "pinned_at": "2026-05-20",
+                                              "image_name": "al2023-ami-ecs-neuron-hvm-2023.0.20260515-kernel-6.1-x86_64"}}))
+    assert dict(load_pinned_amis(path)) == {"us-west-2": "ami-0123456789abcdef0"}
+    # Built before the Neuron driver of the training image's SDK release: it cannot run the image.
     path.write_text(json.dumps({"us-west-2": {"image_id": "ami-0123456789abcdef0", "pinned_at": "2026-01-20",
                                               "image_name": "al2023-ami-ecs-neuron-hvm-2023.0.20260115-kernel-6.1-x86_64"}}))
-    assert dict(load_pinned_amis(path)) == {"us-west-2": "ami-0123456789abcdef0"}
+    with pytest.raises(ValueError, match=r"us-west-2: .*built 2026-01-15, before Neuron driver 2.27.*infra_pin_ami.sh"):
+        load_pinned_amis(path)
     path.write_text(json.dumps({"us-west-2": "ami-0123456789abcdef0"}))
     with pytest.raises(ValueError, match=r"needs non-empty image_id, image_name and pinned_at.*infra_pin_ami.sh us-west-2"):
         load_pinned_amis(path)

@@ -28,7 +28,8 @@ def _run(tmp_path: Path, *regions: str, value: dict = SSM_VALUE) -> subprocess.C
 
 def test_pins_each_region_with_name_and_date(tmp_path):
     (tmp_path / "pins.json").write_text(json.dumps({"us-west-2": {
-        "image_id": "ami-0aaaaaaaaaaaaaaaa", "image_name": "al2023-ami-ecs-neuron-hvm-old", "pinned_at": "2026-01-01"}}))
+        "image_id": "ami-0aaaaaaaaaaaaaaaa", "image_name": "al2023-ami-ecs-neuron-hvm-2023.0.20260501-kernel-6.1-x86_64",
+        "pinned_at": "2026-05-02"}}))
     result = _run(tmp_path, "us-east-1")
     assert result.returncode == 0, result.stderr
     pins = json.loads((tmp_path / "pins.json").read_text())
@@ -51,3 +52,10 @@ def test_refuses_a_bad_ssm_value(tmp_path):
 def test_needs_a_region(tmp_path):
     result = _run(tmp_path)
     assert result.returncode == 2 and "usage" in result.stderr
+
+
+def test_refuses_an_ami_older_than_the_training_images_neuron_driver(tmp_path):
+    old = {**SSM_VALUE, "image_name": "al2023-ami-ecs-neuron-hvm-2023.0.20251015-kernel-6.1-x86_64"}
+    result = _run(tmp_path, "us-east-1", value=old)
+    assert result.returncode != 0 and "built 2025-10-15, before Neuron driver" in result.stderr
+    assert not (tmp_path / "pins.json").exists()

@@ -36,9 +36,16 @@ def test_server_role_is_for_sagemaker_and_job_role_may_log(template):
         Match.object_like({"Principal": {"Service": "sagemaker.amazonaws.com"}})]}})
     template.has_resource_properties("AWS::IAM::Policy", {
         "Roles": [{"Ref": Match.string_like_regexp("JobRole")}],
-        "PolicyDocument": {"Statement": [Match.object_like({
+        "PolicyDocument": {"Statement": Match.array_with([Match.object_like({
             "Action": "sagemaker-mlflow:*",
-            "Resource": {"Fn::GetAtt": [Match.string_like_regexp("MlflowServer"), "TrackingServerArn"]}})]},
+            "Resource": {"Fn::GetAtt": [Match.string_like_regexp("MlflowServer"), "TrackingServerArn"]}})])},
+    })
+    # The client writes run artifacts itself: below the server's artifact prefix only.
+    template.has_resource_properties("AWS::IAM::Policy", {
+        "Roles": [{"Ref": Match.string_like_regexp("JobRole")}],
+        "PolicyDocument": {"Statement": Match.array_with([Match.object_like({
+            "Action": Match.array_with(["s3:PutObject"]),
+            "Resource": Match.array_with([{"Fn::Join": ["", [Match.any_value(), "/mlflow/*"]]}])})])},
     })
 
 

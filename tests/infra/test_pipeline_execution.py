@@ -19,7 +19,8 @@ from moto.stepfunctions.parser.asl.component.state.exec.state_task.service impor
 )
 
 from moto_batch import patched_moto_batch
-from pipeline_fixtures import ENV, JOB_DEFINITIONS, TEST_CONFIG, synthesized
+from pipeline_fixtures import ENV, JOB_DEFINITIONS, QUEUE_WAIT, TEST_CONFIG, synthesized
+from stacks.constructs.stall_watchdog import HEARTBEAT_POLL_MINUTES
 
 REGION = ENV.region
 ARTIFACTS = "artifacts-bucket"
@@ -28,7 +29,7 @@ ROLE = f"arn:aws:iam::{ENV.account}:role/sfn"
 INPUT_CHECKS = ["PrepareInputChecks", "Check_dataset", "Check_version", "Check_data_uri", "Check_init_from",
                 "Check_num_nodes", "Check_embed_shards", "Check_prepare_shards", "Check_priority", "Check_share",
                 "InputValid", "LocateData", "DataDepth", "DataPrefix_3", "ListData", "DataFound"]
-HAPPY_PATH = ["Defaults", "ApplyDefaults", *INPUT_CHECKS, "ReadCurrentModel", "NoProductionModel", "ApplyBaseline",
+HAPPY_PATH = ["InputShape", "InputIsObject", "Defaults", "ApplyDefaults", *INPUT_CHECKS, "ReadCurrentModel", "NoProductionModel", "ApplyBaseline",
               "Prepare", "PrepareShards", "PrepareFinish", "Sanity", "Compile", "Train", "Validate", "ReadGate", "GateReportValid", "GatePassed", "Embed",
               "Export", "ReadPublishedModel", "PointerRecord", "Publish", "NotifyPublished", "Done"]
 # Uploads the data bucket holds in every test (the runs' data_uri must exist).
@@ -46,8 +47,10 @@ def aws():
     with mock_aws(config={"stepfunctions": {"execute_state_machine": True}, "batch": {"use_docker": False}}), \
             patched_moto_batch() as hooks, \
             mock.patch.object(callback_module, "_DELAY_SECONDS_SYNC_CONDITION_CHECK", 0.05):  # faster .sync polls
-        hooks.instant_waits = True  # the watchdog's startup Wait
-        yield _World(hooks)
+        hooks.instant_waits = True  # the watchdog's Waits
+        world = _World(hooks)
+        yield world
+        world.drain()  # a run a test left going (the starter's) must not publish into the next test's topic
 
 
 class _World:
@@ -82,6 +85,8 @@ class _World:
             self.batch.register_job_definition(
                 jobDefinitionName=deps.job_definitions[name].name, type="container",
                 containerProperties={"image": "busybox", "vcpus": 1, "memory": 128, "command": ["true"]})
+        values[f"{syn.logical_id(syn.stack.diagnosis.function)}.Arn"] = \
+            f"arn:aws:lambda:{REGION}:{ENV.account}:function:classifier"  # runs in-process (moto_batch.py)
         self.topic_arn = sns.create_topic(Name="alerts")["TopicArn"]
         values[syn.logical_id(syn.stack.topic)] = self.topic_arn
         queue_url = sqs.create_queue(QueueName="inbox")["QueueUrl"]
@@ -99,7 +104,11 @@ class _World:
         self.watchdog_arn = self.sfn.create_state_machine(
             name="watchdog", roleArn=ROLE,
             definition=json.dumps(syn.definition("StallWatchdog", values)))["stateMachineArn"]
+        self.queue_wait_arn = self.sfn.create_state_machine(
+            name="queue-wait", roleArn=ROLE,
+            definition=json.dumps(syn.definition("QueueWait", values)))["stateMachineArn"]
         self.alarm_prefix = syn.stack.watchdog.alarm_prefix
+        self.job_tags = dict(syn.stack.ownership.tags)
         self.cloudwatch = boto3.client("cloudwatch", region_name=REGION)
 
     def run(self, machine_arn: str, name: str, payload: dict, timeout: float = 60.0) -> tuple[dict, list[str]]:
@@ -111,6 +120,13 @@ class _World:
         events = self.sfn.get_execution_history(executionArn=arn, maxResults=1000)["events"]
         visited = [e["stateEnteredEventDetails"]["name"] for e in events if "stateEnteredEventDetails" in e]
         return desc, visited
+
+    def drain(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        for machine in (self.pipeline_arn, self.starter_arn, self.watchdog_arn, self.queue_wait_arn):
+            while self.sfn.list_executions(stateMachineArn=machine, statusFilter="RUNNING")["executions"]:
+                assert time.monotonic() < deadline, "executions still running after the test"
+                time.sleep(0.2)
 
     def put_gate(self, run_id: str, passed: bool) -> None:
         self.s3.put_object(Bucket=ARTIFACTS, Key=f"runs/{run_id}/validation/gate.json",
@@ -150,6 +166,7 @@ def test_happy_path_visits_every_state_in_order_and_publishes(aws):
         assert submit["parameters"]["run_id"] == "run-1"
         assert submit["parameters"]["data_uri"] == "/fsx/data/incoming/catalog/v1"
         assert submit["parameters"]["init_from"] == ""
+        assert submit["tags"] == aws.job_tags == {"pipeline": "Pipeline"}  # what TerminateJob is scoped to
     by_name = {s["jobName"]: s for s in aws.hooks.submitted}
     for multi in ("sanity", "compile", "train"):
         assert by_name[multi]["nodeOverrides"] == {"numNodes": 2}
@@ -206,10 +223,80 @@ def test_failing_train_job_takes_the_failure_path_and_notifies(aws):
     aws.hooks.fail_job_definitions.add("train")
     desc, visited = aws.run(aws.pipeline_arn, "run-3", data(init_from="/fsx/runs/x"))
     assert desc["status"] == "FAILED"
-    assert visited[-3:] == ["Train", "NotifyFailure", "Failed"]
+    assert visited[-4:] == ["Train", "DiagnoseFailure", "NotifyFailure", "Failed"]
     assert "Validate" not in visited
     (message,) = [n for n in aws.notifications() if "failed" in n]
     assert "run-3" in message and '"Train"' in message and "JobId" in message
+
+
+# ---- the failure path: classified from the job's logs, and never blocked by the classifier ----
+JOB_LOG_GROUP = "/aws/batch/job"  # the job definitions here set no awslogs group: Batch's default
+TRAIN_LOG = [
+    "2026-11-24T03:05:40 INFO pipeline_steps.progress: train step 900/2000  loss=2.01",
+    "2026-Nov-24 03:05:49.7287 2301:2410 ERROR  TDRV:tdrv_init  Uncorrectable HBM memory error is detected",
+    "2026-11-24T03:05:52 ERROR pipeline_steps.train: train step: a peer of rank 0 of 16 went away "
+    "(Connection reset by peer) (exit 75: retryable)",
+]
+
+
+def _fail_job_with_log(aws, job_name: str, lines: list[str], *, exit_code: int, reason: str) -> None:
+    """Jobs of `job_name` write `lines` to their CloudWatch stream and fail as Batch reports it."""
+    logs = boto3.client("logs", region_name=REGION)
+    logs.create_log_group(logGroupName=JOB_LOG_GROUP)
+    start = int(time.time() * 1000)
+
+    def run_job(job, submitted) -> bool:
+        if job.job_definition.name != job_name:
+            return True
+        logs.create_log_stream(logGroupName=JOB_LOG_GROUP, logStreamName=job._stream_name)
+        logs.put_log_events(logGroupName=JOB_LOG_GROUP, logStreamName=job._stream_name, logEvents=[
+            {"timestamp": start + i, "message": line} for i, line in enumerate(lines)])
+        job.attempts.append({"container": {"exitCode": exit_code, "logStreamName": job._stream_name},
+                             "statusReason": reason})
+        job.exit_code, job.job_stopped_reason = exit_code, reason
+        return False
+
+    aws.hooks.run_job = run_job
+
+
+def test_a_failed_job_is_classified_from_its_log_and_the_notification_says_what_to_do(aws):
+    _fail_job_with_log(aws, "train", TRAIN_LOG, exit_code=75, reason="Essential container in task exited")
+    desc, visited = aws.run(aws.pipeline_arn, "run-hbm", data())
+    assert desc["status"] == "FAILED"
+    assert visited[-4:] == ["Train", "DiagnoseFailure", "NotifyFailure", "Failed"]
+    (result,) = aws.hooks.lambda_results
+    assert result["class"] == "device_unavailable" and result["step"] == "Train" and result["retryable"] is True
+    assert result["subject"] == "Run run-hbm failed in Train: device_unavailable"
+    (message,) = [n for n in aws.notifications() if "failed" in n]
+    assert "Failed step: Train (job " in message and "Class: device_unavailable" in message
+    assert "[main line 2] 2026-Nov-24 03:05:49.7287 2301:2410 ERROR  TDRV:tdrv_init  Uncorrectable HBM" in message
+    assert "Suggestion: A hardware error" in message and "Docs: https://" in message
+    assert '"Train":{"Error":"States.TaskFailed"' in message and "JobId" in message  # the raw failure too
+    # One metric per class: the embedded-metric-format line CloudWatch turns into PipelineFailures.
+    (emf,) = [json.loads(line) for line in aws.hooks.lambda_stdout if line.startswith("{")]
+    assert (emf["Class"], emf["PipelineFailures"], emf["step"]) == ("device_unavailable", 1, "Train")
+    assert emf["_aws"]["CloudWatchMetrics"][0]["Dimensions"] == [["Stage", "Class"]]
+
+
+def test_a_failing_classifier_never_blocks_the_notification_nor_hides_the_failure(aws):
+    aws.hooks.fail_job_definitions.add("train")
+    aws.hooks.fail_lambda = True
+    desc, visited = aws.run(aws.pipeline_arn, "run-noclass", data())
+    assert desc["status"] == "FAILED"
+    assert visited[-5:] == ["Train", "DiagnoseFailure", "DiagnosisUnavailable", "NotifyFailure", "Failed"]
+    (message,) = [n for n in aws.notifications() if "failed" in n]
+    assert message.startswith("Run run-noclass failed. (The automatic classification failed: RuntimeError.)")
+    assert '"Train":{"Error":"States.TaskFailed"' in message and "JobId" in message
+
+
+def test_a_classifier_returning_nothing_usable_still_notifies(aws):
+    # A function error of any kind (here: the handler raising on its input) is caught alike.
+    aws.hooks.fail_job_definitions.add("train")
+    aws.hooks.lambda_handler = lambda event, context: {}["missing"]
+    desc, visited = aws.run(aws.pipeline_arn, "run-keyerror", data())
+    assert desc["status"] == "FAILED" and "DiagnosisUnavailable" in visited
+    (message,) = [n for n in aws.notifications() if "failed" in n]
+    assert "(The automatic classification failed: KeyError.)" in message and "JobId" in message
 
 
 def test_failing_gate_skips_embed_and_publish(aws):
@@ -237,9 +324,10 @@ def test_empty_input_fails_before_any_job_with_one_notification_listing_the_fixe
     desc, visited = aws.run(aws.pipeline_arn, "run-empty", {})
     assert desc["status"] == "FAILED"
     assert aws.hooks.submitted == []
-    assert visited[-3:] == ["InvalidInput", "NotifyFailure", "Failed"]
+    assert visited[-4:] == ["InvalidInput", "DiagnoseFailure", "NotifyFailure", "Failed"]
     (message,) = aws.notifications()
     assert "run-empty" in message and "version: the data version" in message
+    assert "Failed step: InvalidInput" in message and "Class: bad_config" in message
     assert "data_uri: the upload directory /fsx/data/incoming/<dataset>/<version>" in message
     assert "num_nodes" not in message  # defaults are valid
 
@@ -258,19 +346,29 @@ def test_empty_input_fails_before_any_job_with_one_notification_listing_the_fixe
 def test_every_bad_field_is_named_in_one_notification_before_any_job(aws, bad, fixes):
     desc, visited = aws.run(aws.pipeline_arn, "run-bad", data(**bad))
     assert desc["status"] == "FAILED" and aws.hooks.submitted == []
-    assert visited[-3:] == ["InvalidInput", "NotifyFailure", "Failed"]
+    assert visited[-4:] == ["InvalidInput", "DiagnoseFailure", "NotifyFailure", "Failed"]
     (message,) = aws.notifications()
     for fix in fixes:
         assert fix in message
-    assert message.count("; ") == len(fixes)
+    assert message.split("Raw failure")[1].count("; ") == len(fixes)  # the evidence line quotes them too
 
 
 def test_missing_data_fails_before_any_job(aws):
     desc, visited = aws.run(aws.pipeline_arn, "run-nodata", data("catalog/v9"))
     assert desc["status"] == "FAILED" and aws.hooks.submitted == []
-    assert visited[-4:] == ["DataFound", "NoData", "NotifyFailure", "Failed"]
+    assert visited[-5:] == ["DataFound", "NoData", "DiagnoseFailure", "NotifyFailure", "Failed"]
     (message,) = aws.notifications()
     assert f"No objects under s3://{DATA}/incoming/catalog/v9/" in message
+    assert "Class: bad_input" in message
+
+
+@pytest.mark.parametrize("payload", [[1, 2], "catalog/v1", 3, None, True, []])
+def test_an_input_that_is_not_a_json_object_reaches_the_failure_notification(aws, payload):
+    desc, visited = aws.run(aws.pipeline_arn, "run-shape", payload)
+    assert desc["status"] == "FAILED" and aws.hooks.submitted == []
+    assert visited == ["InputShape", "InputIsObject", "InputNotAnObject", "DiagnoseFailure", "NotifyFailure", "Failed"]
+    (message,) = [n for n in aws.notifications() if "run-shape" in n]
+    assert "The execution input must be a JSON object" in message
 
 
 # ---- notifications cannot change the outcome -------------------------------------------------
@@ -338,7 +436,7 @@ def test_current_model_without_checkpoint_fails_with_a_notification(aws):
     aws.s3.put_object(Bucket=ARTIFACTS, Key="models/current.json", Body=json.dumps({"run_id": "old"}))
     desc, visited = aws.run(aws.pipeline_arn, "run-m1", data())
     assert desc["status"] == "FAILED" and aws.hooks.submitted == []
-    assert visited[-3:] == ["MalformedCurrentModel", "NotifyFailure", "Failed"]
+    assert visited[-4:] == ["MalformedCurrentModel", "DiagnoseFailure", "NotifyFailure", "Failed"]
     (message,) = aws.notifications()
     assert "needs string fields checkpoint and run_id" in message
 
@@ -347,7 +445,7 @@ def test_gate_report_without_metrics_fails_with_a_notification(aws):
     aws.s3.put_object(Bucket=ARTIFACTS, Key="runs/run-m2/validation/gate.json", Body=json.dumps({"passed": True}))
     desc, visited = aws.run(aws.pipeline_arn, "run-m2", data())
     assert desc["status"] == "FAILED"
-    assert visited[-3:] == ["MalformedGateReport", "NotifyFailure", "Failed"]
+    assert visited[-4:] == ["MalformedGateReport", "DiagnoseFailure", "NotifyFailure", "Failed"]
     assert "Embed" not in visited
     (message,) = aws.notifications()
     assert "needs a boolean passed and a metrics object" in message
@@ -383,11 +481,15 @@ def test_marker_at_the_wrong_depth_fails_the_starter(aws):
     assert aws.sfn.list_executions(stateMachineArn=aws.pipeline_arn)["executions"] == []
 
 
-# ---- stall watchdog: arm after the startup bound, terminate a stalled job, disarm ------------
-def _running_train_job(aws, run_id: str) -> dict:
+# ---- stall watchdog: arm on the first heartbeat, terminate a stalled job, disarm ------------
+POLL_SECONDS = HEARTBEAT_POLL_MINUTES * 60
+
+
+def _running_train_job(aws, run_id: str, *, queue: str = "training", tags: dict | None = None) -> dict:
+    """A train job of this pipeline (its tags, the training queue) that stays RUNNING."""
     aws.hooks.running_job_definitions.add("train")
-    job_id = aws.batch.submit_job(jobName="train", jobQueue="training", jobDefinition="train",
-                                  parameters={"run_id": run_id})["jobId"]
+    job_id = aws.batch.submit_job(jobName="train", jobQueue=queue, jobDefinition="train", parameters={"run_id": run_id},
+                                  tags=aws.job_tags if tags is None else tags)["jobId"]
     return aws.batch.describe_jobs(jobs=[job_id])["jobs"][0]
 
 
@@ -409,8 +511,18 @@ def _alarms(aws) -> list[dict]:
     return aws.cloudwatch.describe_alarms(AlarmNamePrefix=aws.alarm_prefix)["MetricAlarms"]
 
 
-def _arm(aws, run_id: str) -> tuple[dict, list[str], dict]:
+def _heartbeat(aws, run_id: str, step: int, minutes_ago: float = 0) -> None:
+    aws.cloudwatch.put_metric_data(Namespace="TrainiumEmbeddings", MetricData=[{
+        "MetricName": "TrainStep", "Value": step, "Unit": "Count",
+        "Timestamp": datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(minutes=minutes_ago),
+        "Dimensions": [{"Name": "Stage", "Value": "dev"}, {"Name": "RunId", "Value": run_id}]}])
+
+
+def _arm(aws, run_id: str, heartbeats=((1, 1),)) -> tuple[dict, list[str], dict]:
+    """A running train job that sent `heartbeats` (step, minutes ago): armed on the first poll."""
     job = _running_train_job(aws, run_id)
+    for step, minutes_ago in heartbeats:
+        _heartbeat(aws, run_id, step, minutes_ago)
     desc, visited = aws.run(aws.watchdog_arn, f"arm-{run_id}", _job_event(job, "RUNNING"))
     assert desc["status"] == "SUCCEEDED", desc
     return job, visited, desc
@@ -422,11 +534,22 @@ def _alarm_event(alarm: dict) -> dict:
                        "state": {"value": "ALARM", "reason": "Threshold Crossed"}}}
 
 
-def test_watchdog_arms_the_alarm_only_after_the_startup_bound(aws):
-    job, visited, _ = _arm(aws, "run-w1")
-    assert visited == ["Route", "WatchRecord", "WaitForStartup", "DescribeWatchedJob", "StillThisAttempt",
-                       "ArmStallAlarm", "Armed"]
-    assert aws.hooks.waits == [TEST_CONFIG.startup_minutes * 60]
+def test_watchdog_arms_on_the_first_heartbeat_however_late_it_comes(aws):
+    # A healthy slow start: the first step comes after the startup bound (graph loading, the
+    # in-process watchdog's first-step allowance). No alarm exists until the heartbeat does.
+    job = _running_train_job(aws, "run-w1")
+    late_polls = TEST_CONFIG.startup_minutes // HEARTBEAT_POLL_MINUTES + 3
+
+    def heartbeat_late(waits: int) -> None:
+        assert _alarms(aws) == [], f"alarm armed before the first heartbeat (after {waits} polls)"
+        if waits == late_polls:  # sent during this wait (a little before the poll reads it)
+            _heartbeat(aws, "run-w1", step=1, minutes_ago=0.5)
+
+    aws.hooks.on_wait = heartbeat_late
+    desc, visited = aws.run(aws.watchdog_arn, "arm-w1", _job_event(job, "RUNNING"))
+    assert desc["status"] == "SUCCEEDED", desc
+    assert aws.hooks.waits == [POLL_SECONDS] * late_polls
+    assert visited.count("ReadFirstHeartbeat") == late_polls and visited[-2:] == ["ArmStallAlarm", "Armed"]
     (alarm,) = _alarms(aws)
     assert alarm["AlarmName"] == f"{aws.alarm_prefix}/{job['jobId']}"
     assert alarm["TreatMissingData"] == "breaching" and alarm["Period"] == 60
@@ -435,25 +558,31 @@ def test_watchdog_arms_the_alarm_only_after_the_startup_bound(aws):
     assert json.loads(alarm["AlarmDescription"])["job_id"] == job["jobId"]
 
 
-def test_watchdog_arms_nothing_when_the_attempt_ended_or_was_retried_during_startup(aws):
+def test_watchdog_arms_when_no_heartbeat_comes_within_the_bound(aws):
+    # Too frozen to emit a first heartbeat or to exit: armed (and, all data missing, alarming) at
+    # first_heartbeat_minutes, never earlier.
+    job = _running_train_job(aws, "run-w0")
+    desc, visited = aws.run(aws.watchdog_arn, "arm-w0", _job_event(job, "RUNNING"), timeout=180)
+    assert desc["status"] == "SUCCEEDED", desc
+    assert sum(aws.hooks.waits) >= TEST_CONFIG.first_heartbeat_minutes * 60
+    assert sum(aws.hooks.waits) - POLL_SECONDS < TEST_CONFIG.first_heartbeat_minutes * 60
+    assert visited[-3:] == ["PollsLeft", "ArmStallAlarm", "Armed"] and len(_alarms(aws)) == 1
+
+
+def test_watchdog_arms_nothing_when_the_attempt_ended_or_was_retried(aws):
     ended = aws.batch.describe_jobs(jobs=[aws.batch.submit_job(
         jobName="train", jobQueue="training", jobDefinition="train", parameters={"run_id": "run-w2"})["jobId"]])
     desc, visited = aws.run(aws.watchdog_arn, "arm-ended", _job_event(ended["jobs"][0], "RUNNING"))
-    assert desc["status"] == "SUCCEEDED" and visited[-1] == "AttemptEndedDuringStartup"
+    assert desc["status"] == "SUCCEEDED" and visited[-1] == "AttemptEnded"
     retried = _running_train_job(aws, "run-w3")  # running again, but a later attempt than the event's
     desc, visited = aws.run(aws.watchdog_arn, "arm-retried",
                             _job_event(retried, "RUNNING", started_at=retried["startedAt"] - 3_600_000))
-    assert desc["status"] == "SUCCEEDED" and visited[-1] == "AttemptEndedDuringStartup"
+    assert desc["status"] == "SUCCEEDED" and visited[-1] == "AttemptEnded"
     assert _alarms(aws) == []
 
 
 def test_watchdog_terminates_a_stalled_job_and_names_run_job_and_last_step(aws):
-    job, _, _ = _arm(aws, "run-w4")
-    for step, minutes_ago in ((100, 50), (120, 40)):
-        aws.cloudwatch.put_metric_data(Namespace="TrainiumEmbeddings", MetricData=[{
-            "MetricName": "TrainStep", "Value": step, "Unit": "Count",
-            "Timestamp": datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(minutes=minutes_ago),
-            "Dimensions": [{"Name": "Stage", "Value": "dev"}, {"Name": "RunId", "Value": "run-w4"}]}])
+    job, _, _ = _arm(aws, "run-w4", heartbeats=((100, 50), (120, 40)))
     (alarm,) = _alarms(aws)
     desc, visited = aws.run(aws.watchdog_arn, "alarm-w4", _alarm_event(alarm))
     assert desc["status"] == "SUCCEEDED", desc
@@ -466,10 +595,29 @@ def test_watchdog_terminates_a_stalled_job_and_names_run_job_and_last_step(aws):
     assert _alarms(aws) == []
 
 
+def _alarm_naming(aws, job: dict, run_id: str) -> dict:
+    """The alarm the arm path puts for `job` (or anyone who may put an alarm of that name)."""
+    watch = {"run_id": run_id, "job_id": job["jobId"], "job_started_at": _iso(minutes_ago=130),
+             "started_at_ms": job["startedAt"]}
+    return {"AlarmName": f"{aws.alarm_prefix}/{job['jobId']}", "AlarmDescription": json.dumps(watch)}
+
+
+@pytest.mark.parametrize("owner", ["another pipeline's tags", "no tags", "another queue"])
+def test_watchdog_never_terminates_a_job_that_is_not_this_pipelines(aws, owner):
+    aws.batch.create_job_queue(jobQueueName="other", state="ENABLED", priority=1, computeEnvironmentOrder=[
+        {"order": 1, "computeEnvironment": "pipeline-ce"}])
+    job = _running_train_job(aws, "run-f", queue="other" if owner == "another queue" else "training",
+                             tags={"another pipeline's tags": {"pipeline": "Other-Pipeline"}, "no tags": {}}.get(owner))
+    desc, visited = aws.run(aws.watchdog_arn, "alarm-foreign", _alarm_event(_alarm_naming(aws, job, "run-f")))
+    assert desc["status"] == "FAILED" and visited[-1] == "NotThisPipelinesJob"
+    assert "TerminateStalledJob" not in visited and aws.notifications() == []
+    (record,) = aws.batch.describe_jobs(jobs=[job["jobId"]])["jobs"]
+    assert record["status"] == "RUNNING"
+
+
 def test_watchdog_terminate_without_any_heartbeat_says_so(aws):
-    _arm(aws, "run-w5")
-    (alarm,) = _alarms(aws)
-    desc, visited = aws.run(aws.watchdog_arn, "alarm-w5", _alarm_event(alarm))
+    job = _running_train_job(aws, "run-w5")  # armed at first_heartbeat_minutes without a heartbeat
+    desc, visited = aws.run(aws.watchdog_arn, "alarm-w5", _alarm_event(_alarm_naming(aws, job, "run-w5")))
     assert desc["status"] == "SUCCEEDED", desc
     assert "NoHeartbeatYet" in visited and "TerminateStalledJob" in visited
     assert "Last completed step: none" in aws.notifications()[0]
@@ -495,6 +643,58 @@ def test_watchdog_leaves_a_job_that_already_ended_alone(aws):
     assert _alarms(aws) == []
 
 
+# ---- queue wait: every job, not only the queue's head, waits at most the bound -----------------
+def _runnable_job(aws, definition: str = "prepare", queue: str = "single-node") -> dict:
+    aws.hooks.runnable_job_definitions.add(definition)
+    job_id = aws.batch.submit_job(jobName=definition, jobQueue=queue, jobDefinition=definition,
+                                  tags=aws.job_tags)["jobId"]
+    return aws.batch.describe_jobs(jobs=[job_id])["jobs"][0]
+
+
+def _runnable_event(job: dict, attempts: int = 0) -> dict:
+    return {"source": "aws.batch", "detail-type": "Batch Job State Change", "time": _iso(),
+            "detail": {"jobId": job["jobId"], "jobName": job["jobName"], "status": "RUNNABLE",
+                       "jobQueue": job["jobQueue"], "attempts": [{}] * attempts}}
+
+
+def test_a_job_still_waiting_after_the_queue_wait_bound_is_cancelled_with_the_reason(aws):
+    job = _runnable_job(aws)  # e.g. queued behind other runs' jobs: never at the head long enough
+    desc, visited = aws.run(aws.queue_wait_arn, "wait-1", _runnable_event(job))
+    assert desc["status"] == "SUCCEEDED", desc
+    assert aws.hooks.waits == [QUEUE_WAIT.to_seconds()] and visited[-2:] == ["CancelWaitingJob", "Cancelled"]
+    (record,) = aws.batch.describe_jobs(jobs=[job["jobId"]])["jobs"]
+    assert record["status"] == "FAILED"
+    assert record["statusReason"].startswith(f"QUEUE_WAIT: RUNNABLE for {int(QUEUE_WAIT.to_minutes())} minutes")
+
+
+def test_a_job_that_started_or_was_retried_during_the_wait_is_left_alone(aws):
+    started = _running_train_job(aws, "run-q1")
+    desc, visited = aws.run(aws.queue_wait_arn, "wait-started", _runnable_event(started))
+    assert desc["status"] == "SUCCEEDED" and visited[-1] == "MovedOn"
+    retried = _running_train_job(aws, "run-q2")  # its first attempt ran; the retry waits again
+    batch_backends[ENV.account][REGION]._jobs[retried["jobId"]].status = "RUNNABLE"
+    desc, visited = aws.run(aws.queue_wait_arn, "wait-retried", _runnable_event(retried, attempts=0))
+    assert desc["status"] == "SUCCEEDED" and visited[-1] == "MovedOn"
+    assert aws.batch.describe_jobs(jobs=[retried["jobId"]])["jobs"][0]["status"] == "RUNNABLE"
+
+
+def test_a_run_whose_job_waits_past_the_bound_fails_with_a_notification_that_says_so(aws):
+    aws.hooks.runnable_job_definitions.add("prepare")
+    run = aws.sfn.start_execution(stateMachineArn=aws.pipeline_arn, name="run-queued", input=json.dumps(data()))
+    deadline = time.monotonic() + 60
+    while not (queued := aws.batch.list_jobs(jobQueue="single-node", jobStatus="RUNNABLE")["jobSummaryList"]):
+        assert time.monotonic() < deadline, "Prepare was never submitted"
+        time.sleep(0.2)
+    (job,) = aws.batch.describe_jobs(jobs=[queued[0]["jobId"]])["jobs"]
+    assert aws.run(aws.queue_wait_arn, "wait-run", _runnable_event(job))[0]["status"] == "SUCCEEDED"
+    while (desc := aws.sfn.describe_execution(executionArn=run["executionArn"]))["status"] == "RUNNING":
+        assert time.monotonic() < deadline + 60, "the run did not end"
+        time.sleep(0.2)
+    assert desc["status"] == "FAILED"
+    (message,) = [n for n in aws.notifications() if "run-queued" in n]
+    assert '"Prepare"' in message and "QUEUE_WAIT: RUNNABLE for" in message
+
+
 # ---- the starter: every upload starts a run ---------------------------------------------------
 def _upload_event(dataset: str, version: str) -> dict:
     return {"source": "aws.s3", "detail-type": "Object Created",
@@ -511,6 +711,22 @@ def test_a_name_the_service_refuses_falls_back_to_the_hashed_name(aws):
     assert execution["name"] == f"upload-{digest}"
 
 
+@pytest.mark.parametrize("then", ["retry succeeds", "retry refused for another reason"])
+def test_a_start_whose_response_was_lost_starts_one_run_per_data_version(aws, then):
+    # The first StartExecution started the run but its response never came back (a client fault,
+    # retried); the retry either sees the run (ExecutionAlreadyExists, or the same response for the
+    # same name and input) or is refused for a reason that is not the name: never a second run.
+    aws.hooks.start_execution_faults = [("SdkClient", True)]
+    if then == "retry refused for another reason":
+        aws.hooks.start_execution_faults.append(("ExecutionLimitExceeded", False))
+    desc, visited = aws.run(aws.starter_arn, "evt-lost", _upload_event("catalog", "v1"))
+    assert "StartPipelineHashedName" not in visited
+    (execution,) = aws.sfn.list_executions(stateMachineArn=aws.pipeline_arn)["executions"]
+    assert execution["name"] == "catalog-v1"
+    if then == "retry refused for another reason":  # the starter fails (its alarm), the run exists once
+        assert desc["status"] == "FAILED" and "ExecutionLimitExceeded" in desc["error"]
+
+
 def test_throttled_start_is_retried_and_the_run_starts(aws):
     aws.hooks.throttle_start_executions = 3
     desc, visited = aws.run(aws.starter_arn, "evt-busy", _upload_event("catalog", "v1"))
@@ -518,3 +734,4 @@ def test_throttled_start_is_retried_and_the_run_starts(aws):
     assert aws.hooks.throttle_start_executions == 0 and visited[-2:] == ["StartPipeline", "Started"]
     (execution,) = aws.sfn.list_executions(stateMachineArn=aws.pipeline_arn)["executions"]
     assert execution["name"] == "catalog-v1"
+

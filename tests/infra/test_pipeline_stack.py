@@ -10,6 +10,7 @@ from moto.events.models import EventPattern
 
 from pipeline_fixtures import JOB_DEFINITIONS, QUEUE_WAIT, TEST_CONFIG, synthesized
 from pipeline_steps.contract import PIPELINE_STEPS
+from stacks.constructs.stall_watchdog import HEARTBEAT_POLL_MINUTES
 from stacks.constructs.training_pipeline import BATCH_API_ERRORS
 from stacks.pipeline_config import PipelineConfig
 
@@ -95,7 +96,7 @@ def test_every_submit_is_sync_with_fair_share_retries_catch_and_timeout(syn, def
     assert retry["MaxDelaySeconds"] == TEST_CONFIG.retry_max_delay_seconds
     assert retry["MaxAttempts"] == TEST_CONFIG.retry_max_attempts
     (catch,) = state["Catch"]
-    assert catch == {"ErrorEquals": ["States.ALL"], "ResultPath": f"$.failure.{step}", "Next": "NotifyFailure"}
+    assert catch == {"ErrorEquals": ["States.ALL"], "ResultPath": f"$.failure.{step}", "Next": "DiagnoseFailure"}
     assert state["TimeoutSeconds"] == syn.stack.pipeline.state_timeout_minutes(_step(step)) * 60
 
 
@@ -170,22 +171,68 @@ def test_production_metrics_are_always_the_gate_baseline(definition):
     assert "InitFromGiven" not in definition["States"]
 
 
-def test_one_failure_path_notifies_then_fails(syn, definition):
+def test_one_failure_path_classifies_notifies_then_fails(syn, definition):
     states = definition["States"]
     undelivered = set(syn.stack.pipeline.undelivered_states)
     assert undelivered == {"NotifyPublishedUndelivered", "NotifyGateFailedUndelivered", "NotifySupersededUndelivered"}
     catch_targets = {c["Next"] for s in states.values() for c in s.get("Catch", [])
                      if c["ErrorEquals"] == ["States.ALL"]} - {"Failed"}
-    assert catch_targets == {"NotifyFailure"} | undelivered
+    assert catch_targets == {"DiagnoseFailure", "DiagnosisUnavailable"} | undelivered
     assert states["NotifyFailure"]["Resource"] == "arn:aws:states:::sns:publish"
     assert states["NotifyFailure"]["Next"] == "Failed" and states["Failed"]["Type"] == "Fail"
     # A malformed document or input ends in the same notification, never in a bare Pass.
     for name in ("InvalidInput", "NoData", "MalformedCurrentModel", "MalformedGateReport", "PublishConflicts"):
-        assert states[name]["Next"] == "NotifyFailure", name
+        assert states[name]["Next"] == "DiagnoseFailure", name
     # Batch states retry only the Batch API errors.
     for step in PIPELINE_STEPS:
         (retry,) = states[step.state]["Retry"]
         assert sorted(retry["ErrorEquals"]) == sorted(BATCH_API_ERRORS)
+
+
+def test_the_classifier_can_fail_without_hiding_the_failure_or_the_notification(definition):
+    states = definition["States"]
+    diagnose, unavailable = states["DiagnoseFailure"], states["DiagnosisUnavailable"]
+    assert diagnose["Resource"] == "arn:aws:states:::lambda:invoke" and diagnose["Parameters"]["Payload.$"] == "$"
+    assert 0 < diagnose["TimeoutSeconds"] <= 300 and diagnose["ResultPath"] == "$.diagnosis"
+    (retry,) = diagnose["Retry"]
+    assert "Lambda.ServiceException" in retry["ErrorEquals"] and "States.ALL" not in retry["ErrorEquals"]
+    assert diagnose["Catch"] == [{"ErrorEquals": ["States.ALL"], "ResultPath": "$.diagnosis_error",
+                                  "Next": "DiagnosisUnavailable"}]
+    assert diagnose["Next"] == unavailable["Next"] == "NotifyFailure"
+    # Both leave the same fields; the raw failure is in every failure notification.
+    assert set(diagnose["ResultSelector"]) == {"class.$", "subject.$", "text.$"}
+    assert set(unavailable["Parameters"]) == {"class", "subject", "text.$"}
+    assert unavailable["ResultPath"] == "$.diagnosis"
+    notify = states["NotifyFailure"]["Parameters"]
+    assert notify["Subject.$"] == "$.diagnosis.subject"
+    assert "$.diagnosis.text" in notify["Message.$"] and "States.JsonToString($.failure)" in notify["Message.$"]
+
+
+def test_the_classifier_function_is_least_privilege_and_ships_only_the_classifier(syn):
+    from stacks.constructs.failure_diagnosis import CODE_EXCLUDE, HANDLER
+
+    (function,) = _resources(syn, "AWS::Lambda::Function").values()
+    props = function["Properties"]
+    assert props["Handler"] == HANDLER and props["Runtime"].startswith("python3.1")
+    assert props["Environment"]["Variables"] == {"METRIC_NAMESPACE": "TrainiumEmbeddings", "STAGE": "dev"}
+    assert "LoggingConfig" in props  # its own (encrypted) log group, where the metric lines land
+    role_id = props["Role"]["Fn::GetAtt"][0]
+    statements = [s for p in _resources(syn, "AWS::IAM::Policy").values()
+                  if {"Ref": role_id} in p["Properties"]["Roles"] for s in p["Properties"]["PolicyDocument"]["Statement"]]
+    actions = {a for s in statements for a in (s["Action"] if isinstance(s["Action"], list) else [s["Action"]])}
+    assert actions == {"batch:DescribeJobs", "batch:ListJobs", "logs:GetLogEvents", "logs:CreateLogStream",
+                       "logs:PutLogEvents", "kms:Decrypt"}  # Decrypt: its environment, encrypted with the key
+    assert "KmsKeyArn" in props
+    (read,) = [s for s in statements if s["Action"] == "logs:GetLogEvents"]
+    job_logs = syn.logical_id(syn.deps.job_log_group)
+    assert job_logs in json.dumps(read["Resource"])  # the job log group only
+    assert not _resources(syn, "AWS::IAM::Role")[role_id]["Properties"].get("ManagedPolicyArns")
+    assert CODE_EXCLUDE[:2] == ["*", ".*"]  # everything but what the "!" patterns name
+    # The state machine may invoke it, unqualified (no version wildcard).
+    invoke = [s for p in _resources(syn, "AWS::IAM::Policy").values()
+              for s in p["Properties"]["PolicyDocument"]["Statement"] if s["Action"] == "lambda:InvokeFunction"]
+    assert invoke and all(s["Resource"] == {"Fn::GetAtt": [syn.logical_id(syn.stack.diagnosis.function), "Arn"]}
+                          for s in invoke)
 
 
 def test_every_s3_and_sns_task_has_a_timeout_and_retries(definition):
@@ -238,7 +285,7 @@ def test_publish_is_a_conditional_write(definition):
 
 def test_state_machine_logs_all_to_encrypted_group_with_tracing(syn):
     machines = _resources(syn, "AWS::StepFunctions::StateMachine")
-    assert len(machines) == 3
+    assert len(machines) == 4  # pipeline, starter, stall watchdog, queue-wait watchdog
     for machine in machines.values():
         props = machine["Properties"]
         assert props["TracingConfiguration"] == {"Enabled": True}
@@ -262,7 +309,7 @@ def test_role_is_least_privilege(syn):
     names = {json.dumps(r).split("job-definition/")[1].split('"')[0] for r in definitions}
     assert names == {f"{name}:*" for name in JOB_DEFINITIONS}
     star = [s for s in statements if s["Resource"] == "*"]
-    allowed = {"batch:DescribeJobs", "cloudwatch:GetMetricData", "xray:PutTraceSegments", "xray:PutTelemetryRecords", "xray:GetSamplingRules",
+    allowed = {"batch:DescribeJobs", "batch:ListJobs", "cloudwatch:GetMetricData", "xray:PutTraceSegments", "xray:PutTelemetryRecords", "xray:GetSamplingRules",
                "xray:GetSamplingTargets", "logs:CreateLogDelivery", "logs:GetLogDelivery", "logs:UpdateLogDelivery",
                "logs:DeleteLogDelivery", "logs:ListLogDeliveries", "logs:PutResourcePolicy",
                "logs:DescribeResourcePolicies", "logs:DescribeLogGroups"}
@@ -274,6 +321,25 @@ def test_role_is_least_privilege(syn):
     data_statements = [s for s in statements if s["Action"] == "s3:ListBucket"]
     assert data_statements and all(isinstance(s["Resource"], dict) for s in data_statements)
     assert not [s for s in statements if "s3:*" in json.dumps(s["Action"])]
+
+
+def _statements(syn) -> list[dict]:
+    return [s for p in _resources(syn, "AWS::IAM::Policy").values()
+            for s in p["Properties"]["PolicyDocument"]["Statement"]]
+
+
+def test_jobs_are_stopped_only_when_they_carry_this_pipelines_tags(syn):
+    # The state machine (timeouts), the stall watchdog and the queue-wait watchdog stop jobs; the
+    # job ids are run-time values, so the tags the submissions carry are what scopes them.
+    owned = {"StringEquals": {"aws:ResourceTag/pipeline": "Pipeline"}}
+    stopping = [s for s in _statements(syn) if {"batch:TerminateJob", "batch:CancelJob"} & set(
+        s["Action"] if isinstance(s["Action"], list) else [s["Action"]])]
+    assert len(stopping) >= 2 and all(s.get("Condition") == owned for s in stopping), stopping
+    tagging = [s for s in _statements(syn) if s["Action"] == "batch:TagResource"]
+    assert len(tagging) == 2  # the state machine's submissions and the canary's
+    for s in tagging:
+        assert s["Condition"] == {"StringEquals": {"aws:RequestTag/pipeline": "Pipeline"},
+                                  "ForAllValues:StringEquals": {"aws:TagKeys": ["pipeline"]}}
 
 
 def test_trigger_rule_matches_success_marker_only(syn):
@@ -305,8 +371,8 @@ def test_stall_watchdog_and_runnable_rules(syn):
     # RUNNABLE/STARTING too: a retry's alarm must go until its own RUNNING arms it again.
     assert any(p["detail"].get("status") == ["RUNNABLE", "STARTING", "RUNNING", "SUCCEEDED", "FAILED"]
                for p in batch_rules)
-    assert any(p["detail"].get("statusReason") == [{"prefix": "CAPACITY:"}, {"prefix": "MISCONFIGURATION:"}]
-               for p in batch_rules)
+    assert any(p["detail"].get("statusReason") == [{"prefix": "CAPACITY:"}, {"prefix": "MISCONFIGURATION:"},
+                                                   {"prefix": "QUEUE_WAIT:"}] for p in batch_rules)
     alarm_rules = [p for p in patterns if p["source"] == ["aws.cloudwatch"]]
     assert alarm_rules[0]["detail"]["state"] == {"value": ["ALARM"]}
     watchdog = syn.definition("StallWatchdog", _Anything())
@@ -322,22 +388,39 @@ def test_stall_watchdog_and_runnable_rules(syn):
     assert watchdog["States"]["TerminateStalledJob"]["Resource"] == "arn:aws:states:::aws-sdk:batch:terminateJob"
 
 
-def test_stall_alarm_is_armed_only_behind_the_startup_wait(syn):
+def test_stall_alarm_is_armed_only_on_a_heartbeat_or_past_the_first_heartbeat_bound(syn):
     (machine,) = [m for lid, m in _resources(syn, "AWS::StepFunctions::StateMachine").items()
                   if lid.startswith("StallWatchdog")]
     assert machine["Properties"]["StateMachineType"] == "STANDARD"  # Express workflows end after 5 minutes
-    states = syn.definition("StallWatchdog", _Anything())["States"]
-    assert states["WaitForStartup"] == {"Type": "Wait", "Seconds": TEST_CONFIG.startup_minutes * 60,
-                                        "Next": "DescribeWatchedJob"}
-    # The only way into ArmStallAlarm is StillThisAttempt, only reached through the wait.
-    into_arm = [n for n, s in states.items() if s.get("Next") == "ArmStallAlarm"
-                or any(c["Next"] == "ArmStallAlarm" for c in s.get("Choices", []))]
-    assert into_arm == ["StillThisAttempt"]
-    into_check = [n for n, s in states.items() if s.get("Next") == "StillThisAttempt"]
-    assert into_check == ["DescribeWatchedJob"]
-    # With the arm at the startup bound, a heartbeat that stopped at minute t is acted on by
-    # max(startup, t + stall) + CloudWatch evaluation, i.e. within stall + 5 minutes of t.
-    assert TEST_CONFIG.startup_minutes <= TEST_CONFIG.stall_timeout_minutes
+    definition = syn.definition("StallWatchdog", _Anything())
+    states = definition["States"]
+    poll = HEARTBEAT_POLL_MINUTES * 60
+    assert states["WaitForHeartbeat"] == {"Type": "Wait", "Seconds": poll, "Next": "DescribeWatchedJob"}
+    into_arm = sorted(n for n, s in states.items() if s.get("Next") == "ArmStallAlarm" or s.get("Default") ==
+                      "ArmStallAlarm" or any(c["Next"] == "ArmStallAlarm" for c in s.get("Choices", [])))
+    assert into_arm == ["HeartbeatSeen", "PollsLeft"]
+    # A heartbeat of this run exists, or the poll budget (first_heartbeat_minutes) is spent.
+    assert states["HeartbeatSeen"]["Choices"] == [
+        {"Variable": "$.heartbeat.query.Values[0]", "IsPresent": True, "Next": "ArmStallAlarm"}]
+    assert states["PollsLeft"]["Default"] == "ArmStallAlarm"
+    waited = (states["WatchRecord"]["Parameters"]["polls_left"] + 1) * poll
+    assert TEST_CONFIG.first_heartbeat_minutes * 60 <= waited < TEST_CONFIG.first_heartbeat_minutes * 60 + poll
+    # Polled only while the same attempt runs.
+    assert [n for n, s in states.items() if any(c["Next"] == "ReadFirstHeartbeat" for c in s.get("Choices", []))] \
+        == ["StillThisAttempt"]
+    assert definition["TimeoutSeconds"] > waited  # the execution outlives its polls
+
+
+def test_every_job_of_both_queues_waits_at_most_the_queue_wait_bound(syn):
+    # The queues' own time limit acts only on the job at their head; each RUNNABLE job of either
+    # queue starts the queue-wait watchdog, which waits exactly the bound the state timeouts assume.
+    patterns = [r["Properties"]["EventPattern"] for r in _resources(syn, "AWS::Events::Rule").values()]
+    (runnable,) = [p for p in patterns if p.get("detail", {}).get("status") == ["RUNNABLE"]]
+    assert len(runnable["detail"]["jobQueue"]) == 2
+    states = syn.definition("QueueWait", _Anything())["States"]
+    assert states["WaitQueueBound"]["Seconds"] == QUEUE_WAIT.to_seconds()
+    assert states["CancelWaitingJob"]["Resource"] == "arn:aws:states:::aws-sdk:batch:cancelJob"
+    assert states["CancelWaitingJob"]["Parameters"]["Reason"].startswith("QUEUE_WAIT: ")
 
 
 def test_canary_schedule_and_alarm(syn):
@@ -386,6 +469,17 @@ def test_dashboard_has_the_operational_widgets(syn):
     assert "TrainLoss" in body and "TokensPerSecond" in body
     # Loss/throughput/progress graphs: one line per run (the per-run dimension set).
     assert body.count("{TrainiumEmbeddings,Stage,RunId}") == 3
+    # Failed runs by class over time: one line per class of the classifier's metric.
+    assert "Failed runs by class" in body
+    assert "SEARCH('{TrainiumEmbeddings,Stage,Class} MetricName=" in body and "PipelineFailures" in body
+    assert "'Sum', 3600)" in body
+
+
+def test_a_failing_classifier_is_alarmed(syn):
+    alarms = [a["Properties"] for a in _resources(syn, "AWS::CloudWatch::Alarm").values()
+              if a["Properties"].get("MetricName") == "Errors" and a["Properties"].get("Namespace") == "AWS/Lambda"]
+    (alarm,) = alarms
+    assert "unclassified" in alarm["AlarmDescription"] and alarm["AlarmActions"]
 
 
 def test_canary_can_be_disabled():
@@ -406,7 +500,7 @@ def test_canary_can_be_disabled():
     ({"notification_email": "nobody"}, "notification_email"),
     ({"retry_backoff_rate": 0.5}, "retry_backoff_rate"),
     ({"startup_minutes": 4}, "startup_minutes=4: use 5..360"),
-    ({"startup_minutes": 45, "stall_timeout_minutes": 30}, "startup_minutes=45 exceeds stall_timeout_minutes=30"),
+    ({"startup_minutes": 70, "stall_timeout_minutes": 30}, "first_heartbeat_minutes=120: use 130..1440"),
     ({"mlflow_tracking": "Managed"}, r"mlflow_tracking='Managed': use 'managed'"),
     ({"mlflow_tracking": "mlflow.example.com"}, r"a tracking URI with a scheme"),
     ({"mlflow_tracking": ""}, r"mlflow_tracking=''"),

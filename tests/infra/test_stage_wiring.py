@@ -19,7 +19,7 @@ import pytest
 
 from infra_synth import REPO_ROOT
 from pipeline_steps.heartbeat import Heartbeat
-from pipeline_steps.contract import PIPELINE_STEPS
+from pipeline_steps.contract import INSTANCE_TYPES, PIPELINE_STEPS
 from stacks.constructs.job_definitions import construct_name
 
 ENTRYPOINT = REPO_ROOT / "training_image" / "entrypoint.sh"
@@ -77,7 +77,7 @@ def test_stall_alarm_watches_the_run_id_the_train_job_emits(dev_templates, pipel
     dimensions = {d["Name"]: d for d in watchdog["States"]["ArmStallAlarm"]["Parameters"]["Dimensions"]}
     assert dimensions["Stage"]["Value"] == "dev"
     assert dimensions["RunId"]["Value.$"] == "$.watch.run_id"
-    assert watchdog["States"]["WatchRecord"]["Parameters"]["run_id.$"] == "$.detail.parameters.run_id"
+    assert watchdog["States"]["WatchRecord"]["Parameters"]["watch"]["run_id.$"] == "$.detail.parameters.run_id"
     # 2. The state machine fills that parameter with the run id.
     assert pipeline["States"]["Train"]["Parameters"]["Parameters"]["run_id.$"] == "$.run_id"
     # 3. Batch substitutes it into the train command; the entrypoint exports PIPELINE_RUN_ID ...
@@ -88,8 +88,8 @@ def test_stall_alarm_watches_the_run_id_the_train_job_emits(dev_templates, pipel
                 train["NodeProperties"]["NodeRangeProperties"][0]["Container"]["Environment"]}
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "torchrun").write_text('#!/usr/bin/env bash\necho "$PIPELINE_STAGE $PIPELINE_RUN_ID"\n')
-    (bin_dir / "torchrun").chmod(0o755)
+    (bin_dir / "python").write_text('#!/usr/bin/env bash\necho "$PIPELINE_STAGE $PIPELINE_RUN_ID"\n')  # the launcher
+    (bin_dir / "python").chmod(0o755)
     result = subprocess.run(["bash", str(ENTRYPOINT), *command], capture_output=True, text=True, check=False,
                             env={"PATH": f"{bin_dir}:/usr/bin:/bin", "TMPDIR": str(tmp_path),
                                  "NPROC_PER_NODE": env_vars["NPROC_PER_NODE"],
@@ -179,15 +179,14 @@ EXAMPLE_RUN = {"run_id": "exec-2026-01-02-catalog-v8", "data_uri": "/fsx/data/in
 
 
 def _run_entrypoint(command: list[str], env: dict[str, str], tmp_path: Path) -> tuple[list[str], dict[str, str]]:
-    """Run the image's entrypoint on a child node of a 2-node job, with fake `python` and `torchrun`
-    that record the argv and environment they were started with."""
+    """Run the image's entrypoint on a child node of a 2-node job, with a fake `python` that records
+    the argv and environment it was started with (the launcher's too)."""
     bin_dir, out = tmp_path / "bin", tmp_path / "out"
     bin_dir.mkdir(parents=True)
     out.mkdir()
-    for tool in ("python", "torchrun"):
-        (bin_dir / tool).write_text(
-            f"#!/usr/bin/env bash\nprintf '%s\\0' \"$@\" > '{out}/argv'\nenv -0 > '{out}/env'\n")
-        (bin_dir / tool).chmod(0o755)
+    (bin_dir / "python").write_text(
+        f"#!/usr/bin/env bash\nprintf '%s\\0' \"$@\" > '{out}/argv'\nenv -0 > '{out}/env'\n")
+    (bin_dir / "python").chmod(0o755)
     batch_env = {"AWS_BATCH_JOB_NUM_NODES": "2", "AWS_BATCH_JOB_NODE_INDEX": "1",
                  "AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS": "10.0.0.5"}
     result = subprocess.run(["bash", str(ENTRYPOINT), *command], capture_output=True, text=True, check=False,
@@ -238,12 +237,16 @@ def test_compile_traces_exactly_the_training_command_with_the_same_flags_and_cac
                                                 _environment(compile_job), tmp_path / "compile")
     assert compile_argv[:3] == ["-m", "pipeline_steps", "compile"]
     run_dir = Path("/fsx/runs") / EXAMPLE_RUN["run_id"]
-    trial, trial_env = aot_compile.neuron_command(aot_compile.training_argv(compile_argv[3:]),
-                                                  run_dir / "compile" / "trial", 10, compile_env)
+    trial_dir = run_dir / aot_compile.TRIALS_DIR / "job-attempt1"
+    trial, trial_env = aot_compile.neuron_command(aot_compile.training_argv(compile_argv[3:]), trial_dir, 10,
+                                                  compile_env)
     assert trial[0] == "neuron_parallel_compile"
-    # The traced command is the training command, plus only the trial's run dir and step count.
-    assert trial[2:-5] == train_argv, (trial, train_argv)
-    assert trial[-5:] == ["--run-dir", str(run_dir / "compile" / "trial"), "--max-steps", "10", "--no-progress"]
+    # The trial is launched as training is (the launcher with the node's torchrun arguments), with
+    # the training arguments verbatim; only the trial's step count and directory are added.
+    step = train_argv.index("train")
+    assert train_argv[:2] == ["-m", "pipeline_steps.launch"]
+    assert trial[2:-4] == [*train_argv[:step], "compile", *train_argv[step + 1:]], (trial, train_argv)
+    assert trial[-4:] == ["--steps", "10", "--trial-dir", str(trial_dir)]
     assert train_argv[train_argv.index("--preset") + 1] == config.training.preset
     assert train_argv[train_argv.index("--init-from") + 1] == EXAMPLE_RUN["init_from"]
     assert ("--bf16" in train_argv) == (config.training.precision == "bf16")
@@ -251,7 +254,7 @@ def test_compile_traces_exactly_the_training_command_with_the_same_flags_and_cac
     # The same compiler flags and rounding mode in the trial's processes and in training.
     for name in ("NEURON_CC_FLAGS", "NEURON_RT_STOCHASTIC_ROUNDING_EN"):
         assert trial_env[name] == train_env[name], name
-    assert train_env["NEURON_CC_FLAGS"] == config.training.neuron_cc_flags
+    assert train_env["NEURON_CC_FLAGS"] == config.training.compiler_flags(config.compute.training)
     # The same cache location, derived the same way (keyed by compiler version) in both.
     trial_cache = _neuron_cache_location(trial_env, monkeypatch)
     assert trial_cache == _neuron_cache_location(train_env, monkeypatch)
@@ -264,13 +267,15 @@ def test_precision_sets_the_train_flag_and_stochastic_rounding_together():
 
     bf16, fp32 = TrainingConfig(), TrainingConfig(precision="fp32")
     assert bf16.precision == "bf16"  # the trn1 default
-    rounding = "NEURON_RT_STOCHASTIC_ROUNDING_EN"
-    assert "--bf16" in training_arguments(bf16) and training_environment(bf16)[rounding] == "1"
-    assert "--bf16" not in training_arguments(fp32) and training_environment(fp32)[rounding] == "0"
+    rounding, trn1 = "NEURON_RT_STOCHASTIC_ROUNDING_EN", INSTANCE_TYPES["trn1.32xlarge"]
+    assert "--bf16" in training_arguments(bf16) and training_environment(bf16, trn1)[rounding] == "1"
+    assert "--bf16" not in training_arguments(fp32) and training_environment(fp32, trn1)[rounding] == "0"
     with pytest.raises(ValueError, match="precision='fp16'"):
         TrainingConfig(precision="fp16")
     with pytest.raises(ValueError, match="--cache_dir"):
-        TrainingConfig(neuron_cc_flags="--target trn1 --cache_dir=/tmp/cache")
+        TrainingConfig(neuron_cc_flags="--optlevel 1 --cache_dir=/tmp/cache")
+    with pytest.raises(ValueError, match="must not set --target"):
+        TrainingConfig(neuron_cc_flags="--target trn1 --optlevel 1")
     with pytest.raises(ValueError, match="preset='huge'"):
         TrainingConfig(preset="huge")
 

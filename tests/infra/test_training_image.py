@@ -3,6 +3,7 @@ entrypoint.sh run as a bash script with AWS Batch-like variables (fake torchrun/
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ import pytest
 from infra_synth import REPO_ROOT
 from pipeline_steps import contract
 from pipeline_steps.contract import ExitCode
+from stacks.config import load_pinned_amis
 from stacks.constructs.training_image import BUILD_CONTEXT_EXCLUDE
 
 IMAGE_DIR = REPO_ROOT / "training_image"
@@ -37,10 +40,35 @@ def test_dockerfile_is_hadolint_clean():
 
 def test_dockerfile_contract():
     text = (IMAGE_DIR / "Dockerfile").read_text()
-    assert "FROM public.ecr.aws/neuron/pytorch-training-neuronx:2.9.0-neuronx-py312-sdk2.30.0-ubuntu24.04\n" in text
     assert "PYTHONUNBUFFERED=1" in text
     assert text.count("pip install --no-deps") == 2  # never reinstall torch
     assert 'ENTRYPOINT ["/usr/local/bin/entrypoint.sh"]' in text
+
+
+def test_image_compiler_local_pins_host_driver_and_amis_are_one_neuron_sdk_release(dev_templates, prod_templates):
+    """contract.NEURON_SDK names one release (2.29.1: PyTorch/XLA training ends with 2.29.x). The
+    image, the compiler its build checks, the PyTorch line the local pins install, the user data's
+    driver floor and the AMI pins must all be that release's: otherwise the runtime meets a driver it
+    does not support, or training compiles into a cache keyed by another compiler."""
+    sdk, text = contract.NEURON_SDK, (IMAGE_DIR / "Dockerfile").read_text()
+    # The image: the release's training DLC (its tag names the SDK and the PyTorch line) ...
+    tag = sdk.training_image.rsplit(":", 1)[1]
+    assert f"FROM {sdk.training_image}\n" in text and f"-sdk{sdk.release}-" in tag and tag.startswith(f"{sdk.torch}.")
+    # ... whose compiler and PyTorch line the build checks, as the local pins install them.
+    assert f"ARG NEURONX_CC_VERSION={sdk.neuronx_cc}\n" in text and f"ARG TORCH_LINE={sdk.torch}\n" in text
+    assert '--expect "neuronx-cc==${NEURONX_CC_VERSION}"' in text and '"torch==${TORCH_LINE}.*"' in text
+    local = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["local"]
+    assert {dep.split("==")[0]: dep.split("==")[1].startswith(f"{sdk.torch}.") for dep in local if "torch" in dep} == {
+        "torch": True, "torch-xla": True}
+    # The hosts: every stage's user data refuses a driver older than the release's ...
+    for templates in (dev_templates, prod_templates):
+        assert f"MIN_DRIVER={sdk.driver}\\n" in json.dumps(templates["compute"].to_json())  # a line of the script
+    # ... and an AMI built before that driver shipped is refused when pinned and when synthesized.
+    assert "ami_driver_problem(image_name)" in (REPO_ROOT / "scripts" / "infra_pin_ami.sh").read_text()
+    load_pinned_amis()  # raises for a committed pin older than the release's driver
+    assert contract.ami_driver_problem("al2023-ami-ecs-neuron-hvm-2023.0.20251015-kernel-6.1-x86_64")
+    assert contract.ami_driver_problem(f"al2023-ami-ecs-neuron-hvm-2023.0.{sdk.driver_released.replace('-', '')}"
+                                       "-kernel-6.1-x86_64") is None
 
 
 def test_dockerfile_bakes_the_git_commit_after_the_dependency_layers():
@@ -99,17 +127,16 @@ def test_build_context_allow_list():
 # -- entrypoint.sh -------------------------------------------------------------------------------
 @pytest.fixture()
 def fake_bin(tmp_path: Path) -> Path:
-    """torchrun/python print their argv; ip answers for eth0 like iproute2."""
+    """python prints its argv (the launcher's too); ip answers for eth0 like iproute2."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name in ("torchrun", "python"):
-        (bin_dir / name).write_text(
-            "#!/usr/bin/env bash\n"
-            f'echo "{name} $*"\n'
-            'echo "TORCHRUN_ARGS=$TORCHRUN_ARGS"\n'
-            'echo "NEURON_RT_ROOT_COMM_ID=$NEURON_RT_ROOT_COMM_ID"\n'
-            'echo "PIPELINE_RUN_ID=${PIPELINE_RUN_ID:-}"\n'
-        )
+    (bin_dir / "python").write_text(
+        "#!/usr/bin/env bash\n"
+        'echo "python $*"\n'
+        'echo "TORCHRUN_ARGS=$TORCHRUN_ARGS"\n'
+        'echo "NEURON_RT_ROOT_COMM_ID=$NEURON_RT_ROOT_COMM_ID"\n'
+        'echo "PIPELINE_RUN_ID=${PIPELINE_RUN_ID:-}"\n'
+    )
     (bin_dir / "ip").write_text(
         "#!/usr/bin/env bash\n"
         'echo "2: eth0    inet 10.42.7.9/20 brd 10.42.15.255 scope global dynamic eth0\\       valid_lft forever"\n'
@@ -137,7 +164,7 @@ def test_main_node_uses_its_own_eth0_address(fake_bin):
                     {"AWS_BATCH_JOB_NUM_NODES": "4", "AWS_BATCH_JOB_NODE_INDEX": "0", "AWS_BATCH_JOB_MAIN_NODE_INDEX": "0"}))
     expected = "--nnodes 4 --node_rank 0 --nproc_per_node 32 --master_addr 10.42.7.9 --master_port 29500"
     assert out["TORCHRUN_ARGS"] == expected
-    assert out["exec"] == f"torchrun {expected} -m pipeline_steps train --run-dir /fsx/runs/r1 --preset base"
+    assert out["exec"] == f"python -m pipeline_steps.launch {expected} -m pipeline_steps train --run-dir /fsx/runs/r1 --preset base"
     assert out["NEURON_RT_ROOT_COMM_ID"] == "10.42.7.9:46820"
     assert out["PIPELINE_RUN_ID"] == "r1"
 
@@ -147,14 +174,14 @@ def test_child_node_uses_main_node_address(fake_bin):
                     {"AWS_BATCH_JOB_NUM_NODES": "4", "AWS_BATCH_JOB_NODE_INDEX": "3",
                      "AWS_BATCH_JOB_MAIN_NODE_INDEX": "0", "AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS": "10.42.0.5"}))
     expected = "--nnodes 4 --node_rank 3 --nproc_per_node 32 --master_addr 10.42.0.5 --master_port 29500"
-    assert out["exec"] == f"torchrun {expected} -m pipeline_steps sanity --run-dir /fsx/runs/r1"
+    assert out["exec"] == f"python -m pipeline_steps.launch {expected} -m pipeline_steps sanity --run-dir /fsx/runs/r1"
     assert out["NEURON_RT_ROOT_COMM_ID"] == "10.42.0.5:46820"
 
 
 def test_single_node_job_runs_as_one_node(fake_bin):
     out = _out(_run(fake_bin, ["sanity", "--run-dir", "/fsx/canary/latest"], {"NPROC_PER_NODE": "2"}))
     assert out["exec"].startswith(
-        "torchrun --nnodes 1 --node_rank 0 --nproc_per_node 2 --master_addr 127.0.0.1 --master_port 29500 -m pipeline_steps sanity"
+        "python -m pipeline_steps.launch --nnodes 1 --node_rank 0 --nproc_per_node 2 --master_addr 127.0.0.1 --master_port 29500 -m pipeline_steps sanity"
     )
 
 
@@ -211,7 +238,8 @@ def test_entrypoint_is_strict_and_has_no_sysctl():
 
 # -- entrypoint.sh: torchrun exit codes and signals ---------------------------------------------
 def _fake_torchrun(fake_bin: Path, body: str) -> None:
-    script = fake_bin / "torchrun"
+    """The launcher (`python -m pipeline_steps.launch`, i.e. torchrun) replaced by `body`."""
+    script = fake_bin / "python"
     script.write_text("#!/usr/bin/env bash\n" + body)
     script.chmod(0o755)
 

@@ -318,7 +318,8 @@ def _train_job(world, capsys) -> tuple[str, str]:
     return train_id, world.batch.describe_jobs(jobs=[train_id])["jobs"][0]["container"]["logStreamName"]
 
 
-def _put(stream: str, *messages: str) -> None:
+def _put(stream: str, *messages: str, at: int | None = None) -> None:
+    """Append `messages` to the job log group's `stream` (created if need be), at `at` ms (default: now)."""
     logs = boto3.client("logs", region_name=REGION)
     for create in (lambda: logs.create_log_group(logGroupName="/aws/batch/job"),
                    lambda: logs.create_log_stream(logGroupName="/aws/batch/job", logStreamName=stream)):
@@ -327,7 +328,21 @@ def _put(stream: str, *messages: str) -> None:
         except logs.exceptions.ResourceAlreadyExistsException:
             pass
     logs.put_log_events(logGroupName="/aws/batch/job", logStreamName=stream,
-                        logEvents=[{"timestamp": int(time.time() * 1000), "message": m} for m in messages])
+                        logEvents=[{"timestamp": at or int(time.time() * 1000), "message": m} for m in messages])
+
+
+def _three_nodes(real, train_id: str, node_record):
+    """`real` (a DescribeJobs wrapper: (client or context, ids) -> records) as Batch answers for a
+    3-node parallel job: the parent gets node properties, `<id>#N` the record node_record(N) gives."""
+    def describe(source, job_ids):
+        out = real(source, [j for j in job_ids if "#" not in j])
+        for job_id in job_ids:
+            if job_id == train_id:
+                out[job_id] = {**out[job_id], "nodeProperties": {"numNodes": 3, "mainNode": 0}}
+            elif job_id.startswith(train_id + "#"):
+                out[job_id] = {"jobId": job_id, **node_record(job_id.rsplit("#", 1)[1])}
+        return out
+    return describe
 
 
 def test_logs_node_reads_that_nodes_stream(world, capsys, monkeypatch):
@@ -335,20 +350,8 @@ def test_logs_node_reads_that_nodes_stream(world, capsys, monkeypatch):
     Train single-node, so the parent record gets the node properties Batch reports for 3 nodes."""
     train_id, _ = _train_job(world, capsys)
     _put("train/default/node-2", "rank 16 ready")
-    real = cli._describe_jobs
-
-    def describe(ctx, job_ids):
-        out = real(ctx, [j for j in job_ids if "#" not in j])
-        for job_id in job_ids:
-            if job_id == train_id:
-                out[job_id] = {**out[job_id], "nodeProperties": {"numNodes": 3, "mainNode": 0}}
-            elif job_id.startswith(train_id + "#"):
-                node = job_id.rsplit("#", 1)[1]
-                out[job_id] = {"jobId": job_id, "status": "SUCCEEDED",
-                               "container": {"logStreamName": f"train/default/node-{node}"}}
-        return out
-
-    monkeypatch.setattr(cli, "_describe_jobs", describe)
+    monkeypatch.setattr(cli, "_describe_jobs", _three_nodes(cli._describe_jobs, train_id, lambda node: {
+        "status": "SUCCEEDED", "container": {"logStreamName": f"train/default/node-{node}"}}))
     out = run_json(capsys, "logs", "run-ok", "train", "--node", "2")
     assert out["job_id"] == f"{train_id}#2" and [e["message"] for e in out["events"]] == ["rank 16 ready"]
     assert cli.main([*BASE, "logs", "run-ok", "train", "--node", "3"]) == 2
@@ -381,3 +384,75 @@ def test_logs_follow_prints_new_lines_until_the_job_ends(world, capsys, monkeypa
     lines = [ln.split("  ", 1)[1] for ln in out.splitlines() if "  " in ln and ln[:4].isdigit()]
     assert lines[-4:] == ["before follow", "step 20 loss 0.40", "step 30 loss 0.35", "done"]
     assert f"job {train_id} ended: SUCCEEDED" in out
+
+
+# ---- why: the failed run's class, evidence and fix, from every node's log ---------------------------
+def _failed_train_job(world, capsys) -> tuple[str, str]:
+    status = run_json(capsys, "status", "run-failed")
+    train_id = next(j["job_id"] for j in status["jobs"] if j["step"] == "Train")
+    return train_id, world.batch.describe_jobs(jobs=[train_id])["jobs"][0]["container"]["logStreamName"]
+
+
+def test_why_classifies_a_failed_run_from_its_log_and_defaults_to_the_latest(world, capsys):
+    train_id, stream = _failed_train_job(world, capsys)
+    _put(stream, "2026-11-24T03:05:40 INFO pipeline_steps.progress: train step 900/2000  loss=2.01",
+         "torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error")
+    # Without RUN: the newest failed execution (another test's run may have failed since run-failed).
+    latest_failed = world.sfn.list_executions(stateMachineArn=world.pipeline_arn, statusFilter="FAILED",
+                                              maxResults=1)["executions"][0]["name"]
+    assert run_json(capsys, "why")["run_id"] == latest_failed
+    out = run_json(capsys, "why", "run-failed")
+    assert out["status"] == "FAILED"
+    d = out["diagnosis"]
+    assert (d["class"], d["retryable"], d["step"], d["job_id"], d["node"]) == (
+        "collective_failure", True, "Train", train_id, "main")
+    assert d["evidence"][0]["line"] == 2 and d["evidence"][0]["node"] == "main" and d["docs"].startswith("https://")
+    assert cli.main([*BASE, "why", "run-failed"]) == 0
+    text = capsys.readouterr().out
+    assert "run run-failed FAILED. Failed step: Train" in text and "Class: collective_failure" in text
+    assert "[main line 2] torch.distributed.DistBackendError" in text and "Suggestion: " in text
+
+
+def test_why_reads_every_node_and_names_the_first_error(world, capsys, monkeypatch):
+    """Multi-node: moto runs Train single-node, so the record gets the node properties Batch reports
+    for 3 nodes and each node job its own stream; the cause on node 2 beats node 0's lost peer."""
+    from pipeline_steps.diagnosis import job_logs
+
+    train_id, _ = _failed_train_job(world, capsys)
+    now = int(time.time() * 1000)
+    _put("train/default/why-node-0", "RuntimeError: [c10d] a peer of rank 0 of 48 went away", at=now - 5000)
+    _put("train/default/why-node-1", "step 900", at=now)
+    _put("train/default/why-node-2", "OSError: [Errno 28] No space left on device: '/fsx/runs/run-failed/ckpt'", at=now)
+    monkeypatch.setattr(job_logs, "describe_jobs", _three_nodes(job_logs.describe_jobs, train_id, lambda node: {
+        "status": "FAILED", "container": {"logStreamName": f"train/default/why-node-{node}",
+                                          "exitCode": 1 if node == "2" else 0}}))
+    d = run_json(capsys, "why", "run-failed")["diagnosis"]
+    assert (d["class"], d["node"], d["retryable"]) == ("storage_error", "node 2", False)
+    assert d["evidence"][0]["node"] == "node 2" and "No space left on device" in d["evidence"][0]["text"]
+
+
+def test_why_of_an_array_job_reads_its_failed_children(world, capsys):
+    world.put_gate("run-embed-failed", passed=True)
+    world.hooks.fail_job_definitions.add("embed")
+    try:
+        assert cli.main([*BASE, "start", "--data-uri", "/fsx/data/incoming/catalog/v3", "--name",
+                         "run-embed-failed", "--embed-shards", "2"]) == 0
+        _wait(world, "run-embed-failed")
+    finally:
+        world.hooks.fail_job_definitions.clear()
+    status = run_json(capsys, "status", "run-embed-failed")
+    embed_id = next(j["job_id"] for j in status["jobs"] if j["step"] == "Embed")
+    children = world.batch.list_jobs(arrayJobId=embed_id, jobStatus="FAILED")["jobSummaryList"]
+    assert children
+    for child in children:
+        stream = world.batch.describe_jobs(jobs=[child["jobId"]])["jobs"][0]["container"]["logStreamName"]
+        _put(stream, "pyarrow.lib.ArrowIOError: [Errno 5] Input/output error")
+    d = run_json(capsys, "why", "run-embed-failed")["diagnosis"]
+    assert (d["class"], d["step"], d["job_id"]) == ("storage_error", "Embed", embed_id)
+    assert d["node"].startswith("index ")
+
+
+def test_why_of_a_run_that_did_not_fail_says_so(world, capsys):
+    assert run_json(capsys, "why", "run-ok") == {"run_id": "run-ok", "status": "SUCCEEDED", "diagnosis": None}
+    assert cli.main([*BASE, "why", "run-ok"]) == 0
+    assert "nothing to diagnose" in capsys.readouterr().out

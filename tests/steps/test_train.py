@@ -66,6 +66,34 @@ def test_xla_training_compiles_nothing_after_warmup(tiny_run_local) -> None:
     assert len({tuple(s["doc_ids"]) for s in xla["batch_shapes"]}) == len(xla["batch_shapes"])
 
 
+def test_bf16_xla_training_trains_and_resumes_into_the_graphs_compile_traced(tiny_run: Path) -> None:
+    """The production precision (`--bf16` on XLA): bf16 weights, fp32 AdamW moments
+    (a bf16 update rounds beta2 = 0.999 to 1.0: the second moment would stay 0). A resumed run
+    loads the moments without torch's cast to the weights' dtype, in a fresh run's order, so it
+    needs no graph the compile step did not trace; the checkpoint also resumes on CPU."""
+    args = ("--run-dir", tiny_run, "--backend", "xla", "--bf16")
+    compiled = run_cli("compile", "--preset", "tiny", *args)
+    assert compiled.returncode == 0, compiled.stderr[-3000:]
+    first = run_cli(*TRAIN, *args, "--max-steps", "4", "--checkpoint-every", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = run_cli(*TRAIN, *args, "--max-steps", "6", "--checkpoint-every", "2")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stderr and "(step 4," in resumed.stderr
+    assert read_json(tiny_run / "train" / "xla.json")["graphs_not_in_compile_cache"] == 0
+
+    assert [r["step"] for r in metrics(tiny_run)] == list(range(1, 7))
+    state = checkpoint.load(checkpoint.latest(tiny_run))
+    assert {t.dtype for t in state["model"].values() if t.is_floating_point()} == {torch.bfloat16}
+    moments = [entry[key] for entry in state["optimizer"]["state"].values() for key in ("exp_avg", "exp_avg_sq")]
+    assert {m.dtype for m in moments} == {torch.float32}
+    assert all(torch.isfinite(m).all() and m.abs().max() > 0 for m in moments)
+    assert {float(entry["step"]) for entry in state["optimizer"]["state"].values()} == {6.0}
+    # The same checkpoint resumes on an eager backend (weights cast up, moments as they are).
+    eager = run_cli(*TRAIN, "--run-dir", tiny_run, "--backend", "cpu", "--max-steps", "7")
+    assert eager.returncode == 0, eager.stderr[-3000:]
+    assert "(step 6," in eager.stderr and checkpoint.step_of(checkpoint.latest(tiny_run)) == 7
+
+
 RESUMED = ["--max-steps", "48", "--checkpoint-every", "4", "--backend", "cpu"]  # past the first epoch (42 steps)
 
 
@@ -156,7 +184,7 @@ def test_non_finite_loss_stops_before_the_update_with_its_exit_code(tiny_run: Pa
 
 # Runs in its own process: torch_xla stays out of the test process.
 XLA_STEP_SCRIPT = """
-import json, sys
+import dataclasses, json, sys
 from pathlib import Path
 from pipeline_steps import distributed as dist_lib
 from pipeline_steps.config import get_preset
@@ -185,8 +213,15 @@ try:
 except NonFiniteLossError as exc:
     error = str(exc)
 after = weights()
+
+def first_step_loss(rank):  # a fresh trainer of one rank of two: the same weights, the same batch
+    ranked = Trainer(Path(sys.argv[1]), "tiny", get_preset("tiny").train,
+                     dataclasses.replace(world, rank=rank, world_size=2))
+    return ranked.train_step(batch).host()["loss"]
+
 print(json.dumps({"reads_in_steps": reads_in_steps, "error": error,
-                  "unchanged": [k for k in before if before[k].equal(after[k])], "names": list(before)}))
+                  "unchanged": [k for k in before if before[k].equal(after[k])], "names": list(before),
+                  "rank_losses": [first_step_loss(rank) for rank in (0, 1, 0)]}))
 """
 
 
@@ -212,6 +247,60 @@ def test_xla_train_step_reads_nothing_on_the_host(xla_steps: dict) -> None:
 def test_xla_non_finite_loss_is_never_applied_even_to_steps_dispatched_after_it(xla_steps: dict) -> None:
     assert xla_steps["error"] is not None and "at step 6 " in xla_steps["error"], xla_steps["error"]
     assert xla_steps["unchanged"] == xla_steps["names"]
+
+
+def test_xla_ranks_draw_different_dropout_masks_and_a_rerun_draws_the_same(xla_steps: dict) -> None:
+    # Only dropout differs between the ranks' first steps here; the second rank-0 trainer runs
+    # after the others drew from the device generator, so it matches only if each step reseeds it.
+    first, other_rank, again = xla_steps["rank_losses"]
+    assert first == again
+    assert first != other_rank
+
+
+# Each rank's length buckets, step by step, from a fresh trainer and from one resumed mid-epoch.
+BUCKETS_SCRIPT = """
+import json, sys
+from pathlib import Path
+import torch.distributed as dist
+from pipeline_steps import distributed as dist_lib
+from pipeline_steps.config import get_preset
+from pipeline_steps.trainer import Trainer, TrainState
+
+run_dir, cfg = Path(sys.argv[1]), get_preset("tiny").train
+world = dist_lib.init("cpu")
+
+def widths(trainer):  # [global step, doc length] from the trainer's position to the end of training
+    return [[trainer.state.step + n + 1, batch["doc_ids"].shape[1]]
+            for n, (_, _, batch) in enumerate(trainer.epochs())]
+
+whole = widths(Trainer(run_dir, "tiny", cfg, world))
+stopped = Trainer(run_dir, "tiny", cfg, world)
+stopped.state = TrainState(step=stopped.steps_per_epoch + 3, epoch=1, batch_in_epoch=3)
+stopped.save_checkpoint()
+ranks = [None] * world.world_size
+dist.all_gather_object(ranks, {"whole": whole, "resumed": widths(Trainer(run_dir, "tiny", cfg, world)),
+                               "resumed_at": stopped.state.step})
+if world.is_main:
+    print(json.dumps(ranks))
+dist_lib.shutdown()
+"""
+
+
+def test_every_rank_takes_the_same_length_bucket_each_step_and_a_resumed_run_continues_the_sequence(
+        tiny_run: Path, tmp_path: Path) -> None:
+    """Ranks on different buckets in one step run different graphs and all wait for the longest.
+    Two gloo processes under torchrun, through the trainer's batch order and a real checkpoint."""
+    script = tmp_path / "buckets.py"
+    script.write_text(BUCKETS_SCRIPT)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(script), str(tiny_run)], env=cli_env(), cwd=REPO, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rank0, rank1 = json.loads(result.stdout.strip().splitlines()[-1])
+    assert rank0["whole"] == rank1["whole"]
+    assert len({width for _, width in rank0["whole"]}) > 1, "one bucket only: the test proves nothing"
+    resumed_at = rank0["resumed_at"]
+    assert rank0["resumed"] == rank1["resumed"] == rank0["whole"][resumed_at:]
 
 
 def test_explicit_gradient_all_reduce_clips_the_averaged_gradients_like_ddp(tiny_run: Path, tmp_path: Path) -> None:

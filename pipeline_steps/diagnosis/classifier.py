@@ -1,0 +1,321 @@
+"""The rules engine: log lines of every node + exit code + Batch status reason -> a Diagnosis.
+
+Each line is matched against the rules of rules.toml; a line takes its best rule (lowest tier, then
+file order). The best tier found among all lines decides, so a root cause ("cause") always beats what
+the other ranks report after it ("symptom"); within that tier the earliest line wins: by its time
+(CloudWatch's event time, or a timestamp at the start of the line), else by node order and line
+order. Nothing matched: the exit code's class from [exit_codes], else `unknown`.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from importlib import resources
+from pathlib import Path
+
+TIERS = ("cause", "likely", "symptom")
+UNKNOWN = "unknown"
+STATUS_REASON = "status reason"
+"""The node name of the Batch status reason, classified as one more line."""
+MAX_EVIDENCE = 5
+_SCAN_CHARS = 2000  # a line longer than this is matched on its first 2000 characters
+_SHOWN_CHARS = 300
+_RULES_FILE = "rules.toml"
+_RULE_KEYS = {"id", "class", "tier", "patterns", "retryable", "suggestion", "docs"}
+_CLASS_KEYS = {"retryable", "summary", "suggestion", "docs"}
+
+
+# ---- the rules file -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FailureClass:
+    name: str
+    retryable: bool
+    summary: str
+    suggestion: str
+    docs: str
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str
+    cls: str
+    tier: int
+    """Index into TIERS: 0 = cause."""
+    pattern: re.Pattern[str]
+    retryable: bool | None = None
+    suggestion: str | None = None
+    docs: str | None = None
+
+
+@dataclass(frozen=True)
+class Rules:
+    classes: Mapping[str, FailureClass]
+    rules: tuple[Rule, ...]
+    exit_codes: Mapping[int, str]
+    ignore: re.Pattern[str] | None
+    unknown_evidence: re.Pattern[str]
+    any_rule: re.Pattern[str] = field(repr=False)
+    """All patterns in one expression: most lines match none, and are skipped with one search."""
+
+    def best_rule(self, text: str) -> Rule | None:
+        """The rule a line takes: the lowest tier, then the first in the file."""
+        if self.ignore is not None and self.ignore.search(text):
+            return None
+        if not self.any_rule.search(text):
+            return None
+        found = [r for r in self.rules if r.pattern.search(text)]
+        return min(found, key=lambda r: r.tier) if found else None
+
+
+def _compile(patterns: Sequence[str], where: str) -> re.Pattern[str]:
+    if not patterns or not all(isinstance(p, str) and p for p in patterns):
+        raise ValueError(f"{where}: patterns must be a non-empty list of non-empty strings")
+    try:
+        return re.compile("|".join(f"(?:{p})" for p in patterns), re.IGNORECASE)
+    except re.error as exc:
+        raise ValueError(f"{where}: invalid regular expression ({exc})") from None
+
+
+def _failure_class(name: str, entry: object, where: str) -> FailureClass:
+    if not isinstance(entry, dict) or set(entry) != _CLASS_KEYS:
+        raise ValueError(f"{where}: [classes.{name}] needs exactly the keys {sorted(_CLASS_KEYS)}")
+    if not isinstance(entry["retryable"], bool):
+        raise ValueError(f"{where}: [classes.{name}] retryable must be true or false")
+    return FailureClass(name, entry["retryable"], entry["summary"], entry["suggestion"], entry["docs"])
+
+
+def _rule(entry: object, classes: Mapping[str, FailureClass], where: str) -> Rule:
+    if not isinstance(entry, dict) or not {"id", "class", "tier", "patterns"} <= set(entry) <= _RULE_KEYS:
+        raise ValueError(f"{where}: every [[rules]] entry needs id, class, tier and patterns "
+                         f"(optional: retryable, suggestion, docs); got {sorted(entry) if isinstance(entry, dict) else entry}")
+    at = f"{where}: rule {entry['id']!r}"
+    if entry["class"] not in classes or entry["class"] == UNKNOWN:
+        raise ValueError(f"{at}: class {entry['class']!r} is not one of the [classes] (and not {UNKNOWN!r})")
+    if entry["tier"] not in TIERS:
+        raise ValueError(f"{at}: tier {entry['tier']!r} is not one of {TIERS}")
+    if "retryable" in entry and not isinstance(entry["retryable"], bool):
+        raise ValueError(f"{at}: retryable must be true or false")
+    return Rule(entry["id"], entry["class"], TIERS.index(entry["tier"]), _compile(entry["patterns"], at),
+                entry.get("retryable"), entry.get("suggestion"), entry.get("docs"))
+
+
+def parse_rules(text: str, where: str = _RULES_FILE) -> Rules:
+    """Rules from the TOML text; a ValueError names the file, the rule and what is wrong."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{where}: not valid TOML ({exc})") from None
+    classes = {name: _failure_class(name, entry, where) for name, entry in data.get("classes", {}).items()}
+    if UNKNOWN not in classes:
+        raise ValueError(f"{where}: [classes.{UNKNOWN}] is missing (what an unrecognised failure says)")
+    rules = tuple(_rule(entry, classes, where) for entry in data.get("rules", []))
+    ids = [r.id for r in rules]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{where}: duplicate rule ids {sorted({i for i in ids if ids.count(i) > 1})}")
+    exit_codes = {}
+    for code, name in data.get("exit_codes", {}).items():
+        if not code.isdigit() or name not in classes:
+            raise ValueError(f"{where}: [exit_codes] {code} = {name!r}: a number and one of the [classes]")
+        exit_codes[int(code)] = name
+    ignore = data.get("ignore", [])
+    return Rules(classes=classes, rules=rules, exit_codes=exit_codes,
+                 ignore=_compile(ignore, f"{where}: ignore") if ignore else None,
+                 unknown_evidence=_compile([data.get("unknown_evidence", "error")], f"{where}: unknown_evidence"),
+                 any_rule=_compile([r.pattern.pattern for r in rules], where))
+
+
+@functools.cache
+def _packaged_rules() -> Rules:
+    return parse_rules(resources.files(__package__).joinpath(_RULES_FILE).read_text(encoding="utf-8"))
+
+
+def load_rules(path: str | Path | None = None) -> Rules:
+    """The reviewed rules shipped with the package, or another rules file (same format)."""
+    if path is None:
+        return _packaged_rules()
+    return parse_rules(Path(path).read_text(encoding="utf-8"), str(path))
+
+
+# ---- logs and their times -------------------------------------------------------------------------
+_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+# ISO 8601 (Python logging, torch, neuronx-cc) and the Neuron runtime's "2024-Oct-15 18:01:17.7287".
+_ISO = re.compile(r"(\d{4})-(\d\d)-(\d\d)[T ](\d\d):(\d\d):(\d\d)(?:[.,](\d{1,9}))?(Z|[+-]\d\d:?\d\d)?")
+_NEURON = re.compile(r"(\d{4})-(" + "|".join(_MONTHS) + r")-(\d\d) (\d\d):(\d\d):(\d\d)(?:\.(\d{1,9}))?")
+_TIME_PREFIX_CHARS = 80  # a timestamp counts only near the start of the line (not one inside a message)
+
+
+def line_time(text: str) -> float | None:
+    """Epoch seconds of a timestamp at the start of the line (UTC when it has no zone), else None."""
+    head = text[:_TIME_PREFIX_CHARS]
+    match = _ISO.search(head)
+    month = None
+    if match:
+        month = int(match.group(2))
+    else:
+        match = _NEURON.search(head)
+        if match:
+            month = _MONTHS.index(match.group(2)) + 1
+    if not match:
+        return None
+    year, day, hour, minute, second = (int(match.group(i)) for i in (1, 3, 4, 5, 6))
+    try:
+        moment = datetime(year, month, day, hour, minute, second, tzinfo=timezone.utc)
+    except ValueError:
+        return None
+    seconds = moment.timestamp() + float("0." + (match.group(7) or "0"))
+    zone = match.group(8) if match.re is _ISO else None
+    if zone and zone != "Z":
+        sign = 1 if zone[0] == "+" else -1
+        seconds -= sign * (int(zone[1:3]) * 3600 + int(zone[-2:]) * 60)
+    return seconds
+
+
+@dataclass(frozen=True)
+class NodeLog:
+    """The tail of one node's log: its lines and, when known, each line's time (epoch seconds)."""
+
+    node: str
+    lines: tuple[str, ...]
+    times: tuple[float | None, ...] | None = None
+
+    @classmethod
+    def from_text(cls, node: str, text: str) -> NodeLog:
+        return cls(node, tuple(text.splitlines()))
+
+    def line_times(self) -> list[float | None]:
+        """Each line's time: given, else parsed from the line; a line without one (a traceback
+        frame, a continuation) takes the time of the line before it."""
+        times, last = [], None
+        for i, text in enumerate(self.lines):
+            given = self.times[i] if self.times is not None and i < len(self.times) else None
+            last = given if given is not None else (line_time(text) or last)
+            times.append(last)
+        return times
+
+
+# ---- the diagnosis --------------------------------------------------------------------------------
+def _iso(seconds: float | None) -> str | None:
+    if seconds is None:
+        return None
+    return datetime.fromtimestamp(seconds, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+@dataclass(frozen=True)
+class Evidence:
+    node: str
+    line: int
+    """1-based line number in that node's log (the tail that was read)."""
+    text: str
+    rule: str | None
+    time: float | None = None
+
+    def as_dict(self) -> dict:
+        return {"node": self.node, "line": self.line, "text": self.text, "rule": self.rule,
+                "timestamp": _iso(self.time)}
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    cls: str
+    retryable: bool
+    evidence: tuple[Evidence, ...]
+    suggestion: str
+    docs: str
+    summary: str
+    node: str | None
+    """The node of the deciding line: where the first error appeared."""
+
+    def as_dict(self) -> dict:
+        return {"class": self.cls, "retryable": self.retryable, "evidence": [e.as_dict() for e in self.evidence],
+                "suggestion": self.suggestion, "docs": self.docs, "summary": self.summary, "node": self.node}
+
+    def text(self) -> str:
+        """The human form: what `diagnose` prints and the failure notification carries."""
+        retry = "a retry can help" if self.retryable else "a retry will not help"
+        lines = [f"Class: {self.cls} ({retry}). {self.summary}"]
+        if self.node is not None:
+            lines.append(f"First error on: {self.node}")
+        if self.evidence:
+            lines.append("Evidence:")
+            lines += [f"  [{e.node} line {e.line}] {e.text}" for e in self.evidence]
+        lines += [f"Suggestion: {self.suggestion}", f"Docs: {self.docs}"]
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class _Match:
+    rule: Rule | None
+    """None: a line that only looks like an error (evidence when nothing decides)."""
+    evidence: Evidence
+    order: tuple[int, int]  # (node index, line index)
+
+    def key(self) -> tuple:
+        # The best tier first; in it, timed lines by time, then node and line order.
+        t = self.evidence.time
+        return (len(TIERS) if self.rule is None else self.rule.tier, t is None, t or 0.0, self.order)
+
+
+def _shown(text: str) -> str:
+    text = text.strip()
+    return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS - 3] + "..."
+
+
+def _scan(sources: Sequence[NodeLog], rules: Rules) -> list[_Match]:
+    """Every line that takes a rule or looks like an error."""
+    found = []
+    for n, source in enumerate(sources):
+        for i, (text, t) in enumerate(zip(source.lines, source.line_times())):
+            scanned = text[:_SCAN_CHARS]
+            rule = rules.best_rule(scanned)
+            if rule is not None or rules.unknown_evidence.search(scanned):
+                found.append(_Match(rule, Evidence(source.node, i + 1, _shown(text), rule and rule.id, t), (n, i)))
+    return found
+
+
+def _evidence(decisive: _Match, matches: list[_Match]) -> tuple[Evidence, ...]:
+    """The deciding line, then other lines of its class (one per distinct text and node)."""
+    shown, seen = [decisive.evidence], {(decisive.evidence.node, decisive.evidence.text)}
+    for m in sorted(matches, key=_Match.key):
+        key = (m.evidence.node, m.evidence.text)
+        if m.rule is not None and m.rule.cls == decisive.rule.cls and key not in seen and len(shown) < MAX_EVIDENCE:
+            shown.append(m.evidence)
+            seen.add(key)
+    return tuple(shown)
+
+
+def _from_class(rules: Rules, name: str, evidence: tuple[Evidence, ...], node: str | None, *,
+                exit_code: int | None, rule: Rule | None = None) -> Diagnosis:
+    info = rules.classes[name]
+    retryable = info.retryable
+    if rule is not None and rule.retryable is not None:
+        retryable = rule.retryable
+    if name == UNKNOWN:
+        retryable = exit_code == 75  # the step said so (contract.ExitCode.RETRYABLE)
+    return Diagnosis(name, retryable, evidence, (rule and rule.suggestion) or info.suggestion,
+                     (rule and rule.docs) or info.docs, info.summary, node)
+
+
+def classify(logs: Sequence[NodeLog], *, exit_code: int | None = None, status_reason: str | None = None,
+             rules: Rules | None = None) -> Diagnosis:
+    """The failure class of a job from the tails of its nodes' logs (in node order, main node
+    first), its exit code and Batch's status reason."""
+    rules = rules or load_rules()
+    sources = list(logs)
+    if status_reason:
+        sources.append(NodeLog(STATUS_REASON, (" ".join(status_reason.split()),)))
+    found = _scan(sources, rules)
+    by_exit_code = rules.exit_codes.get(exit_code) if exit_code is not None else None
+    first = min(found, key=_Match.key) if found else None
+    # A symptom (a peer went away) says less than the step's own exit code.
+    if first is not None and first.rule is not None and not (TIERS[first.rule.tier] == "symptom" and by_exit_code):
+        return _from_class(rules, first.rule.cls, _evidence(first, found), first.evidence.node,
+                           exit_code=exit_code, rule=first.rule)
+    recent = [m.evidence for m in sorted(found, key=lambda m: m.order)][-MAX_EVIDENCE:]
+    earliest = min(found, key=lambda m: (m.evidence.time is None, m.evidence.time or 0.0, m.order)) if found else None
+    return _from_class(rules, by_exit_code or UNKNOWN, tuple(recent), earliest and earliest.evidence.node,
+                       exit_code=exit_code)
