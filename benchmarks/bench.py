@@ -992,7 +992,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
-                        help="a few minutes on 2 cores: base at batch 8 x (32+64) and eager only, 3 rounds")
+                        help="a few minutes on 2 cores: base at batch 8 x (32+64), 3 rounds")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON (bench.json)")
     parser.add_argument("--presets", default="small,base", help="comma-separated, smallest first (default small,base)")
     parser.add_argument("--backends", default="cpu,xla", help="cpu (= cuda when present) and/or xla")

@@ -496,7 +496,7 @@ def validate_pair(record: dict, max_chars: int, source: str = "", line: int = 0)
 # Tokenizer
 # ---------------------------------------------------------------------------------------------
 
-def _continuing_subword_tokens(tokenizer: Tokenizer, texts: Sequence[str], chunk: int = 10_000) -> list[str]:
+def _continuing_subword_tokens(tokenizer: Tokenizer, texts: Sequence[str], chunk: int = 1_000) -> list[str]:
     """"##c" for every character of the normalised `texts` that can occur inside a word, sorted:
     all but whitespace and punctuation, where the BERT pre-tokenizer splits (a character seen only
     at word starts adds an unused token, which is harmless). The normalizer maps characters one by
@@ -1090,6 +1090,11 @@ def _matrix(table: pa.Table, name: str, width: int, dtype: Any, path: Path) -> n
     return values.astype(dtype, copy=False).reshape(len(column), width)
 
 
+PRODUCTS_ROW_GROUP = 16_384
+"""Rows per row group of products.parquet: the Parquet writer holds a row group's encoded columns
+until it is written, so one row group of a catalog of long descriptions added 200+ MB to the peak."""
+
+
 def save_products(path: str | Path, products: Products, arrays: bool = True) -> None:
     """products.parquet and (with `arrays`) the products.<column>.npy training memory-maps, beside it."""
     texts = products.texts
@@ -1104,7 +1109,7 @@ def save_products(path: str | Path, products: Products, arrays: bool = True) -> 
         "class_id": pa.array(products.class_id.astype(np.int64, copy=False)),
     })
     with atomic_path(path) as tmp:
-        pq.write_table(table, tmp)
+        pq.write_table(table, tmp, row_group_size=PRODUCTS_ROW_GROUP)
     for name, dtype in (PRODUCT_ARRAYS if arrays else {}).items():
         with atomic_path(product_array_path(Path(path).parent, name)) as tmp, open(tmp, "wb") as fh:
             np.save(fh, getattr(products, name).astype(dtype, copy=False))

@@ -392,18 +392,22 @@ class PairOutputs:
         # Each writer is entered after its atomic path, so it closes before the file is renamed.
         self.writers = {side: stack.enter_context(pq.ParquetWriter(stack.enter_context(atomic_path(
             self.out / f"{side}_pairs.parquet")), D.PAIRS_SCHEMA)) for side in self.num_rows}
-        self.arrays = {side: {name: np.lib.format.open_memmap(
-            stack.enter_context(atomic_path(D.pair_array_path(self.out, side, name))), mode="w+",
-            dtype=PAIR_DTYPES[name], shape=(rows, self.query_length) if name == "token_ids" else (rows,))
-            for name in D.PAIR_ARRAYS} for side, rows in self.num_rows.items()}
+        # Appended through files, not written into memory maps: a map's written pages count in the
+        # process's RSS until it is closed (130+ MB at 1M pairs).
+        self.arrays = {side: {name: stack.enter_context(open(stack.enter_context(atomic_path(
+            D.pair_array_path(self.out, side, name))), "wb")) for name in D.PAIR_ARRAYS} for side in self.num_rows}
+        for side, rows in self.num_rows.items():
+            for name, fh in self.arrays[side].items():
+                np.lib.format.write_array_header_1_0(fh, {
+                    "descr": np.lib.format.dtype_to_descr(np.dtype(PAIR_DTYPES[name])), "fortran_order": False,
+                    "shape": (rows, self.query_length) if name == "token_ids" else (rows,)})
         return self
 
     def append(self, side: str, queries: pa.Array | pa.ChunkedArray, pairs: D.Pairs, keys: np.ndarray) -> None:
         """The next rows of `side`: the tokenised pairs, their query texts and query keys."""
         self.writers[side].write_table(D.pairs_table(queries, self.product_ids.take(pairs.product_index), pairs))
-        start = self.stats.num[side]
-        for name, array in self.arrays[side].items():
-            array[start:start + len(pairs)] = getattr(pairs, name)
+        for name, fh in self.arrays[side].items():
+            fh.write(np.ascontiguousarray(getattr(pairs, name), dtype=PAIR_DTYPES[name]).data)
         self.stats.num[side] += len(pairs)
         self.stats.keys[side].append(keys)
         self.stats.at_max_length += int((pairs.lengths >= self.query_length).sum())
@@ -411,10 +415,6 @@ class PairOutputs:
             self.stats.train_per_bucket.update(self.product_buckets[pairs.product_index].tolist())
 
     def __exit__(self, *exc) -> bool | None:
-        if exc[0] is None:
-            for arrays in self.arrays.values():
-                for array in arrays.values():
-                    array.flush()
         return self._stack.__exit__(*exc)
 
 
