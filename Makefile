@@ -41,8 +41,10 @@ demo: check-node $(STAMP)
 check-node:
 	@$(PYTHON) scripts/check_node.py
 
+# On every core (pytest-xdist; tests that share an expensive fixture stay on one worker: see
+# tests/conftest.py), and the slowest tests listed at the end.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadgroup --durations=15
 
 # The deployed shape locally: the synthesized dev state machine in moto, every Batch job run for
 # real through training_image/entrypoint.sh (docs/orchestration.md "Local end-to-end run"). The

@@ -1,11 +1,12 @@
 # PYTHON_ARGCOMPLETE_OK
 """trainium-runs: start, watch and stop training pipeline runs on AWS, and see what they cost.
 
-    trainium-runs [--stage dev] start --data-uri incoming/<dataset>/<version>/ [--base-model RUN] [--nodes 4]
-    trainium-runs status [RUN] | runs [--max 10] | buckets | stop RUN | --version
-    trainium-runs logs RUN STEP [--follow] [--node N] | why [RUN]
+    trainium-runs [--stage dev] [--team T] start --data-uri incoming/[T/]<dataset>/<version>/ [--base-model RUN]
+    trainium-runs [--team T] status [RUN] | runs [--max 10] | buckets | stop RUN | cost [--max 20] | --version
+    trainium-runs [--team T] logs RUN STEP [--follow] [--node N] | why [RUN]
 
-RUN is the run id (the execution name) or an execution ARN; `--json` for scripts. docs/operations.md
+RUN is the run id (the execution name) or an execution ARN; `--json` for scripts. In a stage with
+teams every command acts on one team's pipeline (--team, env TRAINIUM_TEAM). docs/operations.md
 explains each command, the stack outputs and prices it reads, and the exit codes: 0 ok, 1 AWS API
 error, 2 usage, 3 unknown run/log/job, 4 wrong stage, 5 no credentials, 6 run name taken.
 """
@@ -13,6 +14,7 @@ error, 2 usage, 3 unknown run/log/job, 4 wrong stage, 5 no credentials, 6 run na
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -22,7 +24,7 @@ from typing import Any, Callable, Iterator
 
 from pipeline_steps import cost as cost_lib
 from pipeline_steps.completion import autocomplete, version_line
-from pipeline_steps.contract import CHECKPOINTS_DIR, FSX_DATA, INCOMING_PREFIX, RUNS_PREFIX, run_path
+from pipeline_steps.contract import CHECKPOINTS_DIR, FSX_DATA, TeamPaths, run_path
 from pipeline_steps.diagnosis import handler as diagnosis, job_logs
 
 from . import runs as R
@@ -51,6 +53,8 @@ class Context:
             raise R.ConfigError("no AWS region: pass --region or set AWS_REGION / AWS_DEFAULT_REGION.")
         self.region = self.session.region_name
         self.stack_name = self.stack_of("Pipeline")
+        self.team: str | None = args.team or None
+        self.paths = TeamPaths(self.team)
         self._clients: dict[str, Any] = {}
         self._outputs: dict[str, dict[str, str]] = {}
         self._arn: str | None = None
@@ -103,12 +107,36 @@ class Context:
                 except (sfn.exceptions.StateMachineDoesNotExist, sfn.exceptions.InvalidArn):
                     raise R.ConfigError(f"no state machine {arn} in {self.region}.") from None
             else:
-                arn = self.outputs().get("StateMachineArn")
+                arn = self.team_state_machines().get(self.team)
                 if not arn:
-                    raise R.ConfigError(f"stack {self.stack_name} has no StateMachineArn output; "
-                                        "pass --state-machine-arn.")
+                    raise R.ConfigError(self._no_pipeline())
             self._arn = arn
         return self._arn
+
+    def for_team(self, team: str | None, arn: str) -> "Context":
+        """The same clients and prices, acting on another team's pipeline (`arn`)."""
+        other = copy.copy(self)
+        other.team, other.paths, other._arn = team, TeamPaths(team), arn
+        return other
+
+    def team_state_machines(self) -> dict[str | None, str]:
+        """Team (None: the default team of a stage without teams) -> its pipeline's state machine
+        ARN, from the Pipeline stack's outputs `StateMachineArn` / `<Team>StateMachineArn`."""
+        found = {}
+        for key, value in self.outputs().items():
+            if key.endswith("StateMachineArn"):
+                name = key.removesuffix("StateMachineArn").lower()
+                found[name or None] = value
+        return found
+
+    def _no_pipeline(self) -> str:
+        teams = sorted(t for t in self.team_state_machines() if t)
+        if self.team is None and teams:
+            return f"stage {self.args.stage!r} has teams: pass --team <one of {', '.join(teams)}> (or TRAINIUM_TEAM)."
+        if self.team is not None:
+            known = f"its teams are {', '.join(teams)}" if teams else "it has no teams (drop --team)"
+            return f"stack {self.stack_name} has no pipeline for team {self.team!r}: {known}."
+        return f"stack {self.stack_name} has no StateMachineArn output; pass --state-machine-arn."
 
     def instance_types(self) -> tuple[str, str]:
         """(training, single-node) instance types: flags, then stack outputs, then defaults."""
@@ -195,9 +223,10 @@ def run_summary(ctx: Context, execution: dict[str, Any], *, now: float | None = 
     train = jobs.get("Train")
     progress = None
     if execution["status"] == "RUNNING" and train is not None and train.record.get("status") == "RUNNING":
-        progress = train_progress(ctx, execution["name"], train.record, now=now)
+        progress = train_progress(ctx, ctx.paths.run_id(execution["name"]), train.record, now=now)
     return {
-        "run_id": execution["name"], "execution_arn": execution["executionArn"], "status": execution["status"],
+        "run_id": execution["name"], "team": ctx.team, "execution_arn": execution["executionArn"],
+        "status": execution["status"],
         "end_state": visits[-1].name if visits and execution["status"] != "RUNNING" else None,
         "current_state": visits[-1].name if visits and execution["status"] == "RUNNING" else None,
         "started": R.iso(started), "stopped": R.iso(stopped),
@@ -259,44 +288,49 @@ def train_progress(ctx: Context, run_id: str, record: dict[str, Any], *, now: fl
 
 
 # ---- commands -------------------------------------------------------------------------------------
-def _data_input(uri: str, data_bucket: Callable[[], str]) -> dict[str, str]:
-    """incoming/<key> (a key in the stage's data bucket), s3://<data bucket>/<key> or
-    /fsx/data/<key> -> the execution's data fields. The FSx data repository association maps
-    /fsx/data <-> s3://<data bucket>/ (stacks/constructs/fsx_lustre.py), so an S3 URI must name that bucket."""
+def _data_input(uri: str, data_bucket: Callable[[], str], paths: TeamPaths) -> dict[str, str]:
+    """<incoming prefix><key> (a key in the stage's data bucket), s3://<data bucket>/<that key> or
+    its FSx path -> the execution's data fields. The FSx data repository association maps
+    /fsx/data <-> s3://<data bucket>/ (stacks/constructs/fsx_lustre.py), so an S3 URI must name that
+    bucket; a team's data must be below its own incoming prefix (the pipeline refuses any other)."""
+    prefix, fsx_dir = paths.incoming_prefix, paths.fsx_incoming
+    forms = (f"use {prefix}<dataset>/<version>/ (a key in the stage's data bucket), s3://<data bucket>/{prefix}"
+             f"<dataset>/<version>/ or {fsx_dir}/<dataset>/<version>")
     out: dict[str, str] = {}
     if uri.startswith("s3://"):
         bucket, _, key = uri[len("s3://"):].partition("/")
         expected = data_bucket()
         if bucket != expected:
             raise UsageError(f"--data-uri {uri!r}: bucket {bucket!r} is not the stage's data bucket {expected!r} "
-                             f"(only it is linked to {FSX_DATA}); upload to s3://{expected}/incoming/<dataset>/"
-                             "<version>/ or pass the key alone: incoming/<dataset>/<version>/")
+                             f"(only it is linked to {FSX_DATA}); upload to s3://{expected}/{prefix}<dataset>/"
+                             f"<version>/ or pass the key alone: {prefix}<dataset>/<version>/")
         out["data_s3_uri"] = uri
         out["data_uri"] = f"{FSX_DATA}/{key.strip('/')}"
     elif uri.startswith("/"):
         out["data_uri"] = uri.rstrip("/")
-    elif uri.startswith(INCOMING_PREFIX):
+    elif uri.startswith(prefix):
         out["data_s3_uri"] = f"s3://{data_bucket()}/{uri}"
         out["data_uri"] = f"{FSX_DATA}/{uri.strip('/')}"
     else:
-        raise UsageError(f"--data-uri {uri!r}: use incoming/<dataset>/<version>/ (a key in the stage's data "
-                         f"bucket), s3://<data bucket>/incoming/<dataset>/<version>/ or "
-                         f"{FSX_DATA}/incoming/<dataset>/<version>")
-    parts = out["data_uri"].split("/")
-    incoming = INCOMING_PREFIX.rstrip("/")
-    if incoming in parts and len(parts) >= parts.index(incoming) + 3:
-        i = parts.index(incoming)
-        out["dataset"], out["version"] = parts[i + 1], parts[i + 2]
+        raise UsageError(f"--data-uri {uri!r}: {forms}")
+    if paths.team and not out["data_uri"].startswith(f"{fsx_dir}/"):
+        raise UsageError(f"--data-uri {uri!r} is not team {paths.team}'s data: {forms}")
+    rest = out["data_uri"][len(fsx_dir) + 1:].split("/") if out["data_uri"].startswith(f"{fsx_dir}/") else []
+    if len(rest) >= 2:
+        out["dataset"], out["version"] = rest[0], rest[1]
     return out
 
 
 def cmd_start(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
-    run_input: dict[str, Any] = _data_input(args.data_uri, lambda: ctx.bucket("DataBucketName"))
+    run_input: dict[str, Any] = _data_input(args.data_uri, lambda: ctx.bucket("DataBucketName"), ctx.paths)
+    if ctx.team and args.share not in (None, ctx.team):
+        raise UsageError(f"--share {args.share!r}: team {ctx.team}'s runs use its own share identifier {ctx.team!r}; "
+                         "drop --share.")
     if args.base_model is not None:
         # A bare run id means that run's dir (checkpoint.resolve picks its newest verified checkpoint);
         # "" trains from scratch.
         base = args.base_model
-        run_input["init_from"] = base if (not base or "/" in base) else run_path(base)
+        run_input["init_from"] = base if (not base or "/" in base) else run_path(ctx.paths.run_id(base))
     for key, value in (("num_nodes", args.nodes), ("share", args.share), ("priority", args.priority),
                        ("embed_shards", args.embed_shards), ("prepare_shards", args.prepare_shards)):
         if value is not None:
@@ -330,6 +364,24 @@ def cmd_runs(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
                        "price_sources": summary["cost"]["price_sources"],
                        "failed_state": (summary["failure"] or {}).get("state")})
     return {"state_machine_arn": ctx.state_machine_arn, "runs": rows}
+
+
+def cmd_cost(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
+    """The compute cost of each team's `--max` latest runs (the --team given, else every team of
+    the stage): runs, node-hours and USD, priced like `status` (docs/operations.md, "Cost")."""
+    machines = {ctx.team: ctx.state_machine_arn} if ctx.team or args.state_machine_arn else ctx.team_state_machines()
+    rows = []
+    for team, arn in sorted(machines.items(), key=lambda item: item[0] or ""):
+        team_ctx = ctx.for_team(team, arn)
+        executions = ctx.client("stepfunctions").list_executions(stateMachineArn=arn, maxResults=args.max)["executions"]
+        costs = [run_summary(team_ctx, _describe_execution(team_ctx, e["executionArn"]))["cost"] for e in executions]
+        rows.append({"team": team or "default", "runs": len(costs),
+                     "since": R.iso(min((e["startDate"].timestamp() for e in executions), default=None)),
+                     "node_hours": round(sum(c["node_hours"] for c in costs), 4),
+                     "cost_usd": round(sum(c["total_usd"] for c in costs), 4),
+                     "unpriced": sorted({step for c in costs for step in c["unpriced"]}),
+                     "price_sources": sorted({src for c in costs for src in c["price_sources"]})})
+    return {"stage": ctx.args.stage, "max_runs_per_team": args.max, "teams": rows}
 
 
 TERMINAL_JOB_STATUSES = ("SUCCEEDED", "FAILED")
@@ -448,10 +500,11 @@ def cmd_why(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_buckets(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
     data, artifacts = ctx.bucket("DataBucketName"), ctx.bucket("ArtifactsBucketName")
-    return {"data_bucket": data, "artifacts_bucket": artifacts,
-            "upload_to": f"s3://{data}/{INCOMING_PREFIX}<dataset>/<version>/",
-            "runs": f"s3://{artifacts}/{RUNS_PREFIX}",
-            "current_model": f"s3://{artifacts}/models/current.json"}
+    paths = ctx.paths
+    return {"team": ctx.team, "data_bucket": data, "artifacts_bucket": artifacts,
+            "upload_to": f"s3://{data}/{paths.incoming_prefix}<dataset>/<version>/",
+            "runs": f"s3://{artifacts}/{paths.runs_prefix}",
+            "current_model": f"s3://{artifacts}/{paths.current_model_key}"}
 
 
 def cmd_stop(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
@@ -496,7 +549,8 @@ def render_status(console: Any, out: dict[str, Any]) -> None:
     from rich.table import Table
 
     where = out["end_state"] or f"in {out['current_state']}"
-    console.print(f"run [bold]{out['run_id']}[/bold]: {_c(out['status'])} ({where}), started {out['started']}, "
+    team = f" of team {out['team']}" if out.get("team") else ""
+    console.print(f"run [bold]{out['run_id']}[/bold]{team}: {_c(out['status'])} ({where}), started {out['started']}, "
                   f"{_hms(out['seconds'])}")
     timeline = Table(title="state timeline")
     for col in ("state", "entered", "duration", "outcome"):
@@ -603,6 +657,20 @@ def render_why(console: Any, out: dict[str, Any]) -> None:
                   highlight=False)
 
 
+def render_cost(console: Any, out: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"compute cost per team, stage {out['stage']} (latest {out['max_runs_per_team']} runs each)")
+    for col in ("team", "runs", "since", "node-hours", "cost"):
+        table.add_column(col, justify="left" if col in ("team", "since") else "right")
+    for row in out["teams"]:
+        table.add_row(row["team"], str(row["runs"]), row["since"] or "-", f"{row['node_hours']:.2f}",
+                      _usd(row["cost_usd"]) + ("+" if row["unpriced"] else ""))
+    console.print(table)
+    if any(row["unpriced"] for row in out["teams"]):
+        console.print("+ = some steps have no price in the table for this region; add --price TYPE=USD")
+
+
 def render_buckets(console: Any, out: dict[str, Any]) -> None:
     for label, key in (("data bucket", "data_bucket"), ("artifacts bucket", "artifacts_bucket"),
                        ("upload to", "upload_to"), ("runs", "runs"), ("current model", "current_model")):
@@ -612,7 +680,7 @@ def render_buckets(console: Any, out: dict[str, Any]) -> None:
 COMMANDS: dict[str, tuple[Callable[..., dict[str, Any]], Callable[[Any, dict[str, Any]], None]]] = {
     "start": (cmd_start, render_start), "status": (cmd_status, render_status), "runs": (cmd_runs, render_runs),
     "logs": (cmd_logs, render_logs), "stop": (cmd_stop, render_stop), "buckets": (cmd_buckets, render_buckets),
-    "why": (cmd_why, render_why),
+    "why": (cmd_why, render_why), "cost": (cmd_cost, render_cost),
 }
 
 
@@ -628,6 +696,8 @@ def _common(suppress: bool) -> argparse.ArgumentParser:
     common.add_argument("--stage", default=default(os.environ.get("TRAINIUM_STAGE", "dev")),
                         help="stage name (stacks/config.py STAGES; env TRAINIUM_STAGE; default dev)")
     common.add_argument("--project", default=default(DEFAULT_PROJECT), help="StageConfig.project (stack name prefix)")
+    common.add_argument("--team", default=default(os.environ.get("TRAINIUM_TEAM") or None),
+                        help="the team whose pipeline to act on, in a stage with teams (env TRAINIUM_TEAM)")
     common.add_argument("--region", default=default(None), help="AWS region (default: the AWS config/env)")
     common.add_argument("--profile", default=default(None), help="AWS profile")
     common.add_argument("--state-machine-arn", default=default(None), help="skip the stack lookup")
@@ -706,7 +776,9 @@ def build_parser() -> argparse.ArgumentParser:
     why = sub.add_parser("why", parents=[common],
                          help="why a run failed: class, evidence and a fix (default: the latest failed run)")
     why.add_argument("run", nargs="?", default=None)
-    sub.add_parser("buckets", parents=[common], help="the stage's data and artifacts buckets")
+    sub.add_parser("buckets", parents=[common], help="the stage's (or team's) buckets and prefixes")
+    cost = sub.add_parser("cost", parents=[common], help="compute cost per team of its latest runs")
+    cost.add_argument("--max", type=_positive_int, default=20, help="latest runs per team")
     stop = sub.add_parser("stop", parents=[common], help="stop a running run")
     stop.add_argument("run")
     stop.add_argument("--cause", default=None)

@@ -73,6 +73,54 @@ INCOMING_PREFIX = "incoming/"
 """Key prefix of uploads in the data bucket (PipelineConfig.incoming_prefix's default)."""
 FSX_INCOMING = f"{FSX_DATA}/{INCOMING_PREFIX.rstrip('/')}"
 """Uploads as the steps see them: FSX_INCOMING/<dataset>/<version>."""
+MODELS_PREFIX = "models/"
+"""Key prefix of the published model pointers in the artifacts bucket (TeamPaths.current_model_key)."""
+
+
+@dataclass(frozen=True)
+class TeamPaths:
+    """Where one team's uploads, runs and published model live. `team` None is the one default team
+    of a stage without teams: incoming/, runs/, models/current.json, as before teams existed. A
+    named team has the same layout with `<team>/` after each top-level prefix, in the same buckets
+    and FSx trees (the file system's two data repository associations link whole prefixes)."""
+
+    team: str | None = None
+
+    def _within(self, prefix: str) -> str:
+        return f"{prefix}{self.team}/" if self.team else prefix
+
+    @property
+    def incoming_prefix(self) -> str:
+        """Data bucket prefix of the team's uploads: <this><dataset>/<version>/_SUCCESS starts a run."""
+        return self._within(INCOMING_PREFIX)
+
+    @property
+    def runs_prefix(self) -> str:
+        """Artifacts bucket prefix of the team's runs (linked to fsx_runs)."""
+        return self._within(RUNS_PREFIX)
+
+    @property
+    def models_prefix(self) -> str:
+        return self._within(MODELS_PREFIX)
+
+    @property
+    def current_model_key(self) -> str:
+        """The team's published model pointer in the artifacts bucket (written by Publish only)."""
+        return self.models_prefix + "current.json"
+
+    @property
+    def fsx_incoming(self) -> str:
+        return f"{FSX_INCOMING}/{self.team}" if self.team else FSX_INCOMING
+
+    @property
+    def fsx_runs(self) -> str:
+        """The team's runs directory on FSx: its project quota's directory."""
+        return f"{FSX_RUNS}/{self.team}" if self.team else FSX_RUNS
+
+    def run_id(self, execution_name: str) -> str:
+        """The run id of the team's execution: `<team>/<name>`, so run_path/run_key land in the
+        team's directories and two teams' runs of the same name never share a heartbeat series."""
+        return f"{self.team}/{execution_name}" if self.team else execution_name
 
 # ---- The run directory ---------------------------------------------------------------------------
 # Paths inside one run directory (FSX_RUNS/<run id> on AWS, any DIR locally), relative to it: what a
@@ -151,9 +199,12 @@ RDZV_TIMEOUT_ENV = "TORCHRUN_RDZV_TIMEOUT_SECONDS"
 STAGE_ENV = "PIPELINE_STAGE"
 """Set by the compute stack to the stage name; the heartbeat's Stage dimension."""
 RUN_ID_ENV = "PIPELINE_RUN_ID"
-"""Exported by the entrypoint (basename of --run-dir); the heartbeat's RunId and MLflow's run tag."""
+"""Exported by the entrypoint: --run-dir below FSX_RUNS (`<team>/<name>` for a team's run), else its
+basename; the heartbeat's RunId and MLflow's run tag."""
 EXIT_CODE_FILE_ENV = "PIPELINE_EXIT_CODE_FILE"
 """Exported by the entrypoint for torchrun steps: where the first failing rank records its ExitCode."""
+TEAM_ENV = "PIPELINE_TEAM"
+"""Set by a team's job definitions to the team's name; MLflow tags the pipeline's runs with it."""
 COMPILE_CACHE_BASE_ENV = "NEURON_COMPILE_CACHE_URL_BASE"
 """Set by the compute stack to the S3 compile cache; pipeline_steps.distributed derives the cache URL."""
 

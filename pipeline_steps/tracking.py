@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from .contract import INSTANCE_TYPE_ENV, PREPARE_REPORT, RUN_ID_ENV
+from .contract import INSTANCE_TYPE_ENV, PREPARE_REPORT, RUN_ID_ENV, TEAM_ENV
 from .errors import ExitCode
 from .fileio import atomic_write_json, read_json
 from .packages import versions  # metadata only: a step that needs no torch never imports it
@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_EXPERIMENT = "trainium-embeddings"
 RUN_ID_TAG = "pipeline.run_id"
+TEAM_TAG = "pipeline.team"  # the team whose run it is (env PIPELINE_TEAM, set by a team's job definitions)
 POINTER_FILE = "mlflow.json"
 OUTCOME_TAG = "pipeline.outcome"
 FAILED_STEP_TAG = "pipeline.failed_step"
@@ -72,6 +73,12 @@ def pipeline_run_id(run_dir: Path, environ: Mapping[str, str] = os.environ) -> s
 
 
 # ---- what is logged ----------------------------------------------------------------------------
+def run_tags(run_id: str, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The pipeline run's tags on its MLflow runs: its id and, for a team's run, the team."""
+    team = environ.get(TEAM_ENV)
+    return {RUN_ID_TAG: run_id, **({TEAM_TAG: team} if team else {})}
+
+
 def git_commit(environ: Mapping[str, str] = os.environ) -> str | None:
     """GIT_COMMIT (baked into the image at build time) or the checkout this package runs from."""
     if environ.get("GIT_COMMIT"):
@@ -166,7 +173,7 @@ class _Session:
         if found:
             parent = found[0].info.run_id
         else:
-            parent = self.client.create_run(self.experiment_id, run_name=run_id, tags={RUN_ID_TAG: run_id}).info.run_id
+            parent = self.client.create_run(self.experiment_id, run_name=run_id, tags=run_tags(run_id)).info.run_id
         atomic_write_json(pointer, {"tracking_uri": self.uri, "experiment_id": self.experiment_id,
                                     "pipeline_run_id": run_id, "mlflow_run_id": parent})
         return parent
@@ -239,7 +246,7 @@ def log_step(step: str, run_dir: Path, *, params: Mapping[str, Any] | None = Non
 def _create_child(session: _Session, step: str, run_dir: Path) -> str:
     run = session.client.create_run(
         session.experiment_id, run_name=step, start_time=int(_PROCESS_START * 1000),
-        tags={"mlflow.parentRunId": session.parent_id, RUN_ID_TAG: pipeline_run_id(run_dir), "step": step})
+        tags={"mlflow.parentRunId": session.parent_id, **run_tags(pipeline_run_id(run_dir)), "step": step})
     return run.info.run_id
 
 

@@ -18,6 +18,7 @@ from pipeline_steps import contract
 from pipeline_steps.config import PRESETS
 from pipeline_steps.contract import InstanceSpec
 from stacks.pipeline_config import PipelineConfig
+from stacks.team_config import TeamConfig, check_teams
 
 
 # The instance table lives in pipeline_steps.contract (pure Python), the one source of EFA interface
@@ -463,6 +464,37 @@ class TrainingConfig:
 
 
 # ---------------------------------------------------------------------------------------------
+# Slack (optional): the notification topic in a Slack channel through AWS Chatbot
+# ---------------------------------------------------------------------------------------------
+_SLACK_WORKSPACE_RE = re.compile(r"^T[0-9A-Z]{8,20}$")
+_SLACK_CHANNEL_RE = re.compile(r"^[CG][0-9A-Z]{8,20}$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlackConfig:
+    """Where AWS Chatbot posts the pipeline's notifications (stacks/constructs/slack_channel.py).
+    Authorize the workspace once in the Chatbot console (https://console.aws.amazon.com/chatbot/),
+    which shows its ID; invite @aws to the channel. docs/operations.md, "Slack"."""
+
+    workspace_id: str
+    """The Slack workspace (team) ID, e.g. T07EA123LEP."""
+    channel_id: str
+    """The channel ID (public C..., private G...), the last part of the channel's Copy link URL."""
+
+    def __post_init__(self) -> None:
+        if not _SLACK_WORKSPACE_RE.match(self.workspace_id):
+            raise ValueError(
+                f"SlackConfig.workspace_id={self.workspace_id!r} is not a Slack workspace ID (T followed by 8-20 "
+                "capital letters or digits): authorize the workspace in the AWS Chatbot console and copy the "
+                "Workspace ID it shows.")
+        if not _SLACK_CHANNEL_RE.match(self.channel_id):
+            raise ValueError(
+                f"SlackConfig.channel_id={self.channel_id!r} is not a Slack channel ID (C or G followed by 8-20 "
+                "capital letters or digits, not the channel name): in Slack, open the channel's details or "
+                "right-click it, Copy link, and take the last part of the URL.")
+
+
+# ---------------------------------------------------------------------------------------------
 # Stage
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
@@ -482,6 +514,15 @@ class StageConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     tags: Mapping[str, str] = field(default_factory=dict)
+    slack: SlackConfig | None = None
+    """Optional: post the notifications to this Slack channel through AWS Chatbot."""
+    teams: tuple[TeamConfig, ...] = ()
+    """Teams sharing the stage (stacks/team_config.py): each gets its own pipeline, prefixes, FSx
+    quota, job role, share identifier and access role. Empty: one default team, the stage's
+    layout before teams (docs/operations.md, "Teams")."""
+    admin_principals: tuple[str, ...] = ()
+    """With teams: IAM role ARNs that may assume the platform admin role (every team's runs, jobs
+    and artifacts). Empty: the account's own IAM policies decide who may (the role trusts the account)."""
     git_commit: str = "unknown"
     """Commit the training image is built from (Docker build arg GIT_COMMIT, baked into the image's
     env; MLflow logs it with every step). app.py fills it from `git rev-parse HEAD`; it never
@@ -511,7 +552,9 @@ class StageConfig:
                 f"Stage {self.name!r}: pipeline.default_num_nodes={self.pipeline.default_num_nodes} exceeds "
                 f"compute.max_nodes={self.compute.max_nodes}; raise max_nodes or lower the default."
             )
-        for share in (self.pipeline.production_share, self.pipeline.experiments_share):
+        check_teams(self.teams, fsx_capacity_gib=self.storage.fsx_storage_capacity_gib,
+                    admin_principals=self.admin_principals)
+        for share in () if self.teams else (self.pipeline.production_share, self.pipeline.experiments_share):
             if share not in self.compute.share_identifiers:
                 raise ValueError(
                     f"Stage {self.name!r}: pipeline share {share!r} is not one of compute.shares "
@@ -526,6 +569,22 @@ class StageConfig:
                 "private subnets to reach the SageMaker MLflow endpoint; set network.nat_gateways>=1, or "
                 "use mlflow_tracking=None (run-local file store) for this stage."
             )
+
+    @property
+    def team_list(self) -> tuple[TeamConfig | None, ...]:
+        """The stage's teams, or (None,): the one default team of a stage without teams."""
+        return self.teams or (None,)
+
+    @property
+    def fair_shares(self) -> tuple[Share, ...]:
+        """The scheduling policy's shares: one per team (its name, its weight), else ComputeConfig.shares."""
+        return tuple(Share(identifier=t.share_identifier, weight=t.weight) for t in self.teams) or self.compute.shares
+
+    @property
+    def compute_reservation(self) -> int:
+        """The policy's one computeReservation: the largest a team asks for, else ComputeConfig's."""
+        asked = [t.compute_reservation for t in self.teams if t.compute_reservation is not None]
+        return max(asked) if asked else self.compute.compute_reservation
 
     @property
     def training_az_id(self) -> str:

@@ -30,12 +30,14 @@ def build_stage(scope: Construct, cfg: StageConfig, *, image_uri: str | None = N
     stacks: dict[str, Stack] = {"network": network, "storage": storage, "compute": compute}
     stacks["pipeline"] = PipelineStack(
         scope, f"{prefix}-Pipeline", config=cfg.pipeline, stage=cfg.name, data_bucket=storage.data_bucket,
-        artifacts_bucket=storage.artifacts_bucket, queues=compute.queues, job_definitions=compute.job_definition_refs,
-        job_log_group=compute.job_log_group, diagnosis_asset_hash=diagnosis_asset_hash,
+        artifacts_bucket=storage.artifacts_bucket, queues=compute.queues, teams=compute.teams,
+        canary_job_definition=compute.canary, admin_principals=cfg.admin_principals,
+        storage_stack_name=storage.stack_name, diagnosis_asset_hash=diagnosis_asset_hash,
         instance_types={"training": cfg.compute.training_instance_type,
                         "single-node": cfg.compute.single_node_instance_type},
         max_nodes=cfg.compute.max_nodes, queue_wait=Duration.minutes(cfg.compute.runnable_timeout_minutes),
         mlflow_tracking_server_arn=compute.mlflow.tracking_server_arn if compute.mlflow else None,
+        slack=cfg.slack,
         env=env, description=f"{prefix}: training pipeline state machine, new-data trigger, canary, alarms, dashboard")
     for stack in stacks.values():
         Tags.of(stack).add("project", cfg.project)

@@ -102,8 +102,13 @@ if [ -n "$rdzv_timeout" ]; then
 fi
 export TORCHRUN_ARGS
 export NEURON_RT_ROOT_COMM_ID="${master_addr}:${NEURON_RT_ROOT_COMM_PORT:-46820}"
+# The run id (heartbeat RunId, MLflow run name): the run dir below /fsx/runs, which is the Batch
+# parameter run_id (a team's run is <team>/<name>: two teams' runs of one name stay apart).
 if [ -z "${PIPELINE_RUN_ID:-}" ] && [ -n "$run_dir" ]; then
-  PIPELINE_RUN_ID="$(basename "$run_dir")"
+  case "$run_dir" in
+    /fsx/runs/?*) PIPELINE_RUN_ID="${run_dir#/fsx/runs/}" ;;
+    *) PIPELINE_RUN_ID="$(basename "$run_dir")" ;;
+  esac
   export PIPELINE_RUN_ID
 fi
 

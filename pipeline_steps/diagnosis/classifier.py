@@ -2,9 +2,12 @@
 
 Each line is matched against the rules of rules.toml; a line takes its best rule (lowest tier, then
 file order). The best tier found among all lines decides, so a root cause ("cause") always beats what
-the other ranks report after it ("symptom"); within that tier the earliest line wins: by its time
-(CloudWatch's event time, or a timestamp at the start of the line), else by node order and line
-order. Nothing matched: the exit code's class from [exit_codes], else `unknown`.
+the other ranks report after it ("symptom"), and a bare exception name ("generic") beats only
+symptoms; within that tier the earliest line wins: by its time (CloudWatch's event time, or a
+timestamp at the start of the line), else by node order and line order. Only generic lines or
+symptoms matched: the exit code's class from [exit_codes] when it has one (a signal's code only when
+the status reason does not say the job was stopped from outside, external_stop), else that line's
+class; nothing matched: the exit code's class, else `unknown`.
 """
 
 from __future__ import annotations
@@ -18,7 +21,11 @@ from datetime import datetime, timezone
 from importlib import resources
 from pathlib import Path
 
-TIERS = ("cause", "likely", "symptom")
+TIERS = ("cause", "likely", "generic", "symptom")
+WEAK_TIERS = frozenset({TIERS.index("generic"), TIERS.index("symptom")})
+"""Tiers that say less than the step's own exit code."""
+SIGNAL_EXIT_CODES = 128
+"""Exit codes above this are 128 + a signal number (137: SIGKILL)."""
 UNKNOWN = "unknown"
 STATUS_REASON = "status reason"
 """The node name of the Batch status reason, classified as one more line."""
@@ -59,6 +66,7 @@ class Rules:
     exit_codes: Mapping[int, str]
     ignore: re.Pattern[str] | None
     unknown_evidence: re.Pattern[str]
+    external_stop: re.Pattern[str] | None
     any_rule: re.Pattern[str] = field(repr=False)
     """All patterns in one expression: most lines match none, and are skipped with one search."""
 
@@ -126,6 +134,8 @@ def parse_rules(text: str, where: str = _RULES_FILE) -> Rules:
     return Rules(classes=classes, rules=rules, exit_codes=exit_codes,
                  ignore=_compile(ignore, f"{where}: ignore") if ignore else None,
                  unknown_evidence=_compile([data.get("unknown_evidence", "error")], f"{where}: unknown_evidence"),
+                 external_stop=_compile(data["external_stop"], f"{where}: external_stop") if "external_stop" in data
+                 else None,
                  any_rule=_compile([r.pattern.pattern for r in rules], where))
 
 
@@ -300,6 +310,15 @@ def _from_class(rules: Rules, name: str, evidence: tuple[Evidence, ...], node: s
                      (rule and rule.docs) or info.docs, info.summary, node)
 
 
+def _exit_code_class(rules: Rules, exit_code: int | None, status_reason: str | None) -> str | None:
+    """The class [exit_codes] gives the exit code; none for a signal's code when Batch says the
+    job was stopped from outside (a timeout, an operator): the signal then names no cause."""
+    if exit_code is None:
+        return None
+    stopped = bool(status_reason and rules.external_stop and rules.external_stop.search(status_reason))
+    return None if stopped and exit_code > SIGNAL_EXIT_CODES else rules.exit_codes.get(exit_code)
+
+
 def classify(logs: Sequence[NodeLog], *, exit_code: int | None = None, status_reason: str | None = None,
              rules: Rules | None = None) -> Diagnosis:
     """The failure class of a job from the tails of its nodes' logs (in node order, main node
@@ -309,10 +328,10 @@ def classify(logs: Sequence[NodeLog], *, exit_code: int | None = None, status_re
     if status_reason:
         sources.append(NodeLog(STATUS_REASON, (" ".join(status_reason.split()),)))
     found = _scan(sources, rules)
-    by_exit_code = rules.exit_codes.get(exit_code) if exit_code is not None else None
+    by_exit_code = _exit_code_class(rules, exit_code, status_reason)
     first = min(found, key=_Match.key) if found else None
-    # A symptom (a peer went away) says less than the step's own exit code.
-    if first is not None and first.rule is not None and not (TIERS[first.rule.tier] == "symptom" and by_exit_code):
+    # A symptom (a peer went away) or a generic exception name says less than the step's own exit code.
+    if first is not None and first.rule is not None and not (first.rule.tier in WEAK_TIERS and by_exit_code):
         return _from_class(rules, first.rule.cls, _evidence(first, found), first.evidence.node,
                            exit_code=exit_code, rule=first.rule)
     recent = [m.evidence for m in sorted(found, key=lambda m: m.order)][-MAX_EVIDENCE:]

@@ -5,6 +5,9 @@ refuses a host with an old Neuron driver or wrong Neuron/EFA device counts and m
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 from aws_cdk import aws_ec2 as ec2
 from constructs import Construct
 
@@ -73,9 +76,35 @@ for attempt in $(seq 1 10); do
 done
 mountpoint -q "$ROOT$FSX" || fail "$FSX is not a mount point"
 echo "$FSX_DNS@tcp:/$FSX_MOUNT_NAME $FSX lustre defaults,noatime,flock,_netdev 0 0" >> "$ROOT/etc/fstab"
-trap - ERR EXIT
+{quotas}trap - ERR EXIT
 echo "trainium-node-init ok: driver $driver, ${{#neuron[@]}} neuron, ${{#efa[@]}} efa, $FSX mounted"
 """
+
+
+# Team quotas: Lustre project quotas, set with lfs as root on the host, which the containers are
+# not (`lfs setquota` needs CAP_SYS_ADMIN; docs/operations.md, "Teams"). Idempotent, on every boot:
+# a changed quota reaches the file system with the next host. `lfs project -d` prints "<id> <flags>
+# <dir>"; only a directory not yet in its project is tagged recursively (-r: existing files too; -s:
+# new files inherit it). https://docs.aws.amazon.com/fsx/latest/LustreGuide/lustre-quotas.html
+_QUOTA_FUNCTION = r"""project_quota() {  # <project id> <hard limit KiB> <directory>
+  local dir="$ROOT$3" current
+  mkdir -p "$dir"
+  read -r current _ < <(lfs project -d "$dir") || current=""
+  [ "$current" = "$1" ] || lfs project -p "$1" -r -s "$dir" || fail "lfs project -p $1 -r -s $3 failed"
+  lfs setquota -p "$1" -b 0 -B "$2" -i 0 -I 0 "$ROOT$FSX" || fail "lfs setquota -p $1 (the quota of $3) failed"
+  echo "trainium-node-init quota: project $1 = $3, hard limit $2 KiB (lfs quota -p $1 $FSX)"
+}
+"""
+
+
+@dataclass(frozen=True)
+class ProjectQuota:
+    """A Lustre project quota the boot script applies: the project id, its hard block limit (KiB),
+    and the directory (an absolute path under the FSx mount) whose files count toward it."""
+
+    project_id: int
+    limit_kib: int
+    directory: str
 
 
 def network_interfaces(spec: InstanceSpec, security_group_id: str) -> list[dict[str, object]]:
@@ -97,11 +126,15 @@ def network_interfaces(spec: InstanceSpec, security_group_id: str) -> list[dict[
     ]
 
 
-def node_boot_script(spec: InstanceSpec, *, min_driver: str, fsx_dns_name: str, fsx_mount_name: str) -> str:
-    """The boot checks + FSx mount (bash, without the shebang UserData.for_linux adds). cloud-init
-    runs it before systemd starts the ECS agent; the agent's unit is made to require the mount and a
-    host that fails a check shuts down, so no job lands on a host without FSx."""
+def node_boot_script(spec: InstanceSpec, *, min_driver: str, fsx_dns_name: str, fsx_mount_name: str,
+                     quotas: Sequence[ProjectQuota] = ()) -> str:
+    """The boot checks + FSx mount + the teams' project quotas (bash, without the shebang
+    UserData.for_linux adds). cloud-init runs it before systemd starts the ECS agent; the agent's
+    unit is made to require the mount and a host that fails a check (or cannot set a quota) shuts
+    down, so no job lands on a host without FSx."""
+    applied = "".join(f"project_quota {q.project_id} {q.limit_kib} {q.directory}\n" for q in quotas)
     return _USER_DATA.format(
+        quotas=_QUOTA_FUNCTION + applied if quotas else "",
         efa=spec.efa_interfaces,
         neuron=spec.neuron_devices,
         min_driver=min_driver,
@@ -111,12 +144,14 @@ def node_boot_script(spec: InstanceSpec, *, min_driver: str, fsx_dns_name: str, 
     )
 
 
-def node_user_data(spec: InstanceSpec, *, min_driver: str, fsx_dns_name: str, fsx_mount_name: str) -> ec2.MultipartUserData:
+def node_user_data(spec: InstanceSpec, *, min_driver: str, fsx_dns_name: str, fsx_mount_name: str,
+                   quotas: Sequence[ProjectQuota] = ()) -> ec2.MultipartUserData:
     """The boot script as a MIME multi-part document, which Batch requires of launch-template user
     data (https://docs.aws.amazon.com/batch/latest/userguide/launch-templates.html)."""
     shell = ec2.UserData.for_linux()
     shell.add_commands(
-        node_boot_script(spec, min_driver=min_driver, fsx_dns_name=fsx_dns_name, fsx_mount_name=fsx_mount_name)
+        node_boot_script(spec, min_driver=min_driver, fsx_dns_name=fsx_dns_name, fsx_mount_name=fsx_mount_name,
+                         quotas=quotas)
     )
     multipart = ec2.MultipartUserData()
     multipart.add_user_data_part(shell, ec2.MultipartBody.SHELL_SCRIPT, True)
@@ -139,6 +174,7 @@ class EfaLaunchTemplate(Construct):
         min_driver: str,
         fsx_dns_name: str,
         fsx_mount_name: str,
+        quotas: Sequence[ProjectQuota] = (),
     ) -> None:
         super().__init__(scope, construct_id)
         self.spec = spec
@@ -162,7 +198,7 @@ class EfaLaunchTemplate(Construct):
                 )
             ],
             user_data=node_user_data(
-                spec, min_driver=min_driver, fsx_dns_name=fsx_dns_name, fsx_mount_name=fsx_mount_name
+                spec, min_driver=min_driver, fsx_dns_name=fsx_dns_name, fsx_mount_name=fsx_mount_name, quotas=quotas
             ),
             version_description=f"{spec.name}: {spec.efa_interfaces} EFA, {spec.neuron_devices} Neuron devices",
         )

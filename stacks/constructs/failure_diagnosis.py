@@ -9,6 +9,7 @@ The state machine catches any failure of it (stacks/constructs/pipeline_states.p
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from aws_cdk import AssetHashType, Duration
@@ -45,8 +46,9 @@ def function_code(asset_hash: str | None = None) -> lambda_.Code:
 class FailureDiagnosis(Construct):
     """Public: `function`, `failures_by_class` (one line per class of the stage's failed runs)."""
 
-    def __init__(self, scope: Construct, construct_id: str, *, stage: str, job_log_group: logs.ILogGroup,
+    def __init__(self, scope: Construct, construct_id: str, *, stage: str, job_log_groups: Sequence[logs.ILogGroup],
                  key: kms.IKey, log_retention_days: int, asset_hash: str | None = None) -> None:
+        """`job_log_groups`: where the pipeline's jobs log (one per team)."""
         super().__init__(scope, construct_id)
         role = iam.Role(self, "Role", assumed_by=iam.ServicePrincipal("lambda.amazonaws.com"),
                         description="Failure classifier: reads failed Batch jobs and their log streams")
@@ -56,7 +58,8 @@ class FailureDiagnosis(Construct):
         # (https://docs.aws.amazon.com/batch/latest/userguide/batch-supported-iam-actions-resources.html).
         role.add_to_principal_policy(iam.PolicyStatement(actions=["batch:DescribeJobs", "batch:ListJobs"],
                                                          resources=["*"]))
-        job_log_group.grant(role, "logs:GetLogEvents")
+        for job_log_group in job_log_groups:
+            job_log_group.grant(role, "logs:GetLogEvents")
         self.function = lambda_.Function(
             self, "Function", runtime=lambda_.Runtime.PYTHON_3_14, architecture=lambda_.Architecture.ARM_64,
             handler=HANDLER, code=function_code(asset_hash), role=role, log_group=log_group,

@@ -12,12 +12,12 @@ from aws_cdk import aws_batch as batch
 from aws_cdk import aws_s3 as s3
 from aws_cdk import aws_stepfunctions as sfn
 
-from pipeline_steps.contract import FSX_DATA, FSX_INCOMING, FSX_RUNS
+from pipeline_steps.contract import FSX_DATA, TeamPaths
 from stacks.constructs.pipeline_states import PipelineStates
 from stacks.constructs.prepare_states import MAX_ARRAY_SIZE, MIN_ARRAY_SIZE, SHARDS_FIELD, SHARDS_FIX
 
 
-def _policy_shares(queue: batch.IJobQueue) -> tuple[str, ...]:
+def policy_shares(queue: batch.IJobQueue) -> tuple[str, ...]:
     """The share identifiers the queue's fair-share policy defines (what the input check accepts)."""
     policy = queue.scheduling_policy
     if not isinstance(policy, batch.FairshareSchedulingPolicy) or not policy.shares:
@@ -57,29 +57,34 @@ def _integer_in(path: str, text_path: str, low: int, high: int) -> sfn.Condition
 MAX_DATA_DEPTH = 8
 
 
-def input_rules(training_queue: batch.IJobQueue, max_nodes: int) -> list[InputRule]:
-    """The checks of the execution input, in the order the failure notification lists them."""
+def _under(path: str, root: str) -> sfn.Condition:
+    """A string path below `root`, without '..' or spaces (a team's paths stay in its directories)."""
+    return sfn.Condition.and_(
+        sfn.Condition.is_string(path), sfn.Condition.string_matches(path, f"{root}/*"),
+        sfn.Condition.not_(sfn.Condition.string_matches(path, "*..*")),
+        sfn.Condition.not_(sfn.Condition.string_matches(path, "* *")))
+
+
+def input_rules(shares: Sequence[str], max_nodes: int, paths: TeamPaths) -> list[InputRule]:
+    """The checks of the execution input, in the order the failure notification lists them.
+    `shares`: the share identifiers a run may name; `paths`: the team's (data_uri and init_from
+    must stay in its directories; the default team's data_uri may name any directory of /fsx/data)."""
     run = "$.run"
-    shares = _policy_shares(training_queue)
+    data_root = paths.fsx_incoming if paths.team else FSX_DATA
     return [
         InputRule("dataset", _plain_name(f"{run}.dataset"),
                   "dataset: a non-empty name without slashes or spaces, e.g. catalog"),
         InputRule("version", _plain_name(f"{run}.version"),
                   "version: the data version, e.g. 2026-01-05 (versions must sort as strings: "
                   "a run never replaces a model of a later version)"),
-        InputRule("data_uri", sfn.Condition.and_(
-            sfn.Condition.is_string(f"{run}.data_uri"),
-            sfn.Condition.string_matches(f"{run}.data_uri", f"{FSX_DATA}/*"),
-            sfn.Condition.not_(sfn.Condition.string_matches(f"{run}.data_uri", "*..*")),
-            sfn.Condition.not_(sfn.Condition.string_matches(f"{run}.data_uri", "* *"))),
-            f"data_uri: the upload directory {FSX_INCOMING}/<dataset>/<version> "
-            "(which is s3://<data bucket>/incoming/<dataset>/<version>/)"),
+        InputRule("data_uri", _under(f"{run}.data_uri", data_root),
+                  f"data_uri: the upload directory {paths.fsx_incoming}/<dataset>/<version> "
+                  f"(which is s3://<data bucket>/{paths.incoming_prefix}<dataset>/<version>/)"),
         InputRule("init_from", sfn.Condition.or_(
             sfn.Condition.is_not_present(f"{run}.init_from"),
-            sfn.Condition.and_(sfn.Condition.is_string(f"{run}.init_from"), sfn.Condition.or_(
-                sfn.Condition.string_equals(f"{run}.init_from", ""),
-                sfn.Condition.string_matches(f"{run}.init_from", f"{FSX_RUNS}/*")))),
-            f"init_from: a run directory {FSX_RUNS}/<run id>, or an empty string to train from scratch"),
+            sfn.Condition.string_equals(f"{run}.init_from", ""),
+            _under(f"{run}.init_from", paths.fsx_runs)),
+            f"init_from: a run directory {paths.fsx_runs}/<run id>, or an empty string to train from scratch"),
         InputRule("num_nodes", _integer_in(f"{run}.num_nodes", "$.checks.num_nodes", 1, max_nodes),
                   f"num_nodes: an integer 1..{max_nodes} (the max nodes of the training compute environment)"),
         InputRule("embed_shards", _integer_in(f"{run}.embed_shards", "$.checks.embed_shards", 2, 10_000),
@@ -94,7 +99,7 @@ def input_rules(training_queue: batch.IJobQueue, max_nodes: int) -> list[InputRu
 
 
 def input_checks(states: PipelineStates, rules: Sequence[InputRule], *, data_bucket: s3.IBucket,
-                 then: sfn.IChainable) -> sfn.IChainable:
+                 paths: TeamPaths, then: sfn.IChainable) -> sfn.IChainable:
     """PrepareInputChecks -> Check_<field> (Invalid_<field> appends the fix) ... -> InputValid
     -> the data lookup -> `then`. One failure notification lists every field to fix; the data is
     looked up only for a valid input."""
@@ -119,14 +124,16 @@ def input_checks(states: PipelineStates, rules: Sequence[InputRule], *, data_buc
         choice.otherwise(flag)
         flag.next(following)
 
-    input_valid.when(sfn.Condition.string_equals("$.problems.text", ""), _data_lookup(states, data_bucket, then=then))
+    input_valid.when(sfn.Condition.string_equals("$.problems.text", ""),
+                     _data_lookup(states, data_bucket, paths, then=then))
     input_valid.otherwise(states.fail_with(
         "InvalidInput", "InvalidInput",
         "States.Format('The execution input has problems, fix them and start the run again: {}', $.problems.text)"))
     return checks
 
 
-def _data_lookup(states: PipelineStates, data_bucket: s3.IBucket, *, then: sfn.IChainable) -> sfn.IChainable:
+def _data_lookup(states: PipelineStates, data_bucket: s3.IBucket, paths: TeamPaths, *,
+                 then: sfn.IChainable) -> sfn.IChainable:
     """LocateData -> DataDepth -> DataPrefix_<depth> -> ListData -> DataFound -> `then`: does the
     data bucket hold objects under the prefix data_uri names?"""
     locate = states.raw("LocateData", {
@@ -155,7 +162,7 @@ def _data_lookup(states: PipelineStates, data_bucket: s3.IBucket, *, then: sfn.I
     depth.otherwise(states.fail_with(
         "DataPathDepth", "InvalidInput",
         f"States.Format('data_uri {{}}: use a directory 1..{MAX_DATA_DEPTH} levels below {FSX_DATA}, e.g. "
-        f"{FSX_INCOMING}/<dataset>/<version>', $.run.data_uri)"))
+        f"{paths.fsx_incoming}/<dataset>/<version>', $.run.data_uri)"))
     list_data.add_catch(states.failure, errors=["States.ALL"], result_path="$.failure.ListData")
 
     found = sfn.Choice(states.scope, "DataFound")

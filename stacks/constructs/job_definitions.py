@@ -7,7 +7,7 @@ parameters cannot be optional, so an optional flag defaults to "" and the entryp
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from aws_cdk import Duration, Size, Stack
@@ -27,6 +27,7 @@ from pipeline_steps.contract import (
 )
 from stacks.config import InstanceSpec, TrainingConfig
 from stacks.constructs.secure_bucket import acknowledge_bucket_grants
+from stacks.team_config import TeamConfig
 
 RETRYABLE_EXIT_CODE = int(ExitCode.RETRYABLE)  # the only code Batch retries
 RUN_DIR = run_path(f"Ref::{RUN_ID_PARAMETER}")
@@ -164,6 +165,16 @@ class JobDefinitionRef:
         return [{"prefix": self.arn(scope, revision="")}]
 
 
+@dataclass(frozen=True)
+class TeamJobs:
+    """One team's pipeline job definitions (team None: the default team of a stage without teams)
+    and the log group its jobs write to."""
+
+    team: TeamConfig | None
+    refs: Mapping[str, JobDefinitionRef]
+    log_group: logs.ILogGroup
+
+
 def construct_name(step: str) -> str:
     """The construct id prefix of a step's job definition: "prepare-shards" -> "PrepareShards"."""
     return step.title().replace("-", "")
@@ -237,8 +248,11 @@ class JobDefinitions(Construct):
         environment: Mapping[str, str],
         log_retention: logs.RetentionDays,
         log_key: kms.IKey,
+        steps: Collection[str] | None = None,
     ) -> None:
+        """`steps`: the job definitions to create (default: all, the pipeline's and the canary)."""
         super().__init__(scope, construct_id)
+        self._steps = steps
         self.job_role = iam.Role(
             self, "JobRole", assumed_by=iam.ServicePrincipal("ecs-tasks.amazonaws.com"),
             description="Pipeline step containers: data read, artifacts and compile cache read/write",
@@ -267,12 +281,16 @@ class JobDefinitions(Construct):
     def _name(self, step: str) -> str:
         return f"{self._name_prefix}-{step}"
 
+    def _selected(self, steps: Mapping[str, tuple[list[str], dict[str, str]]]
+                  ) -> Mapping[str, tuple[list[str], dict[str, str]]]:
+        return {k: v for k, v in steps.items() if self._steps is None or k in self._steps}
+
     def _multi_node_job_definitions(
         self, *, image: ecs.ContainerImage, training: InstanceSpec, training_config: TrainingConfig,
         default_num_nodes: int, shared_memory_gib: int, retry_attempts: int, train_timeout: Duration,
         compile_timeout: Duration, short_timeout: Duration, base_env: Mapping[str, str],
     ) -> None:
-        for step, (command, parameters) in multi_node_steps(training_config).items():
+        for step, (command, parameters) in self._selected(multi_node_steps(training_config)).items():
             container = self._container(
                 f"{step.capitalize()}Container", image=image, spec=training, command=command,
                 environment={**base_env, **EFA_ENVIRONMENT, **_node_env(training),
@@ -304,7 +322,7 @@ class JobDefinitions(Construct):
         single_node_shared_memory_gib: int, retry_attempts: int, short_timeout: Duration,
         base_env: Mapping[str, str],
     ) -> None:
-        for step, (command, parameters) in single_node_steps(training_config).items():
+        for step, (command, parameters) in self._selected(single_node_steps(training_config)).items():
             container = self._container(
                 f"{construct_name(step)}Container", image=image, spec=single_node, command=command,
                 environment={**base_env, **_node_env(single_node)},

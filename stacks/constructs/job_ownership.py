@@ -4,7 +4,8 @@ canary), IAM statements that act only on jobs carrying them, and the same test a
 Jobs are tagged on creation, or not created (https://docs.aws.amazon.com/batch/latest/userguide/tag-resources.html);
 a SubmitJob with tags is also authorized as batch:TagResource, and TerminateJob/CancelJob on the
 job's tags, aws:ResourceTag (https://docs.aws.amazon.com/service-authorization/latest/reference/list_awsbatch.html).
-More owners (a team) are more entries in `tags`: every grant and check below follows.
+A team's jobs also carry `team=<name>` (JobOwnership.of(stack, team)): its pipeline tags and stops
+only those, and so may its people (stacks/constructs/team_access.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from aws_cdk import aws_iam as iam
 from aws_cdk import aws_stepfunctions as sfn
 
 PIPELINE_TAG = "pipeline"
+TEAM_TAG = "team"
 
 
 @dataclass(frozen=True)
@@ -28,8 +30,9 @@ class JobOwnership:
     tags: Mapping[str, str]
 
     @classmethod
-    def of(cls, stack: Stack) -> "JobOwnership":
-        return cls(stack=stack, tags={PIPELINE_TAG: stack.stack_name})
+    def of(cls, stack: Stack, team: str | None = None) -> "JobOwnership":
+        """The pipeline's jobs, or with `team` that team's jobs only (jobs carry both tags)."""
+        return cls(stack=stack, tags={PIPELINE_TAG: stack.stack_name, **({TEAM_TAG: team} if team else {})})
 
     def _jobs(self) -> str:
         # Job ids exist only at run time; the tag conditions are what scope the statement.

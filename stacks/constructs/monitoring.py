@@ -29,22 +29,24 @@ class Monitoring(Construct):
     """Alarms (all to the topic) and the dashboard. Public: `alarms`, `dashboard`."""
 
     def __init__(self, scope: Construct, construct_id: str, *, stage: str, topic: sns.ITopic,
-                 pipeline: sfn.StateMachine, helpers: Mapping[str, sfn.StateMachine],
+                 pipelines: Mapping[str, sfn.StateMachine], helpers: Mapping[str, sfn.StateMachine],
                  rules: Mapping[str, events.IRule], job_log_group: logs.ILogGroup,
-                 undelivered_notifications: cw.IMetric, classifier: lambda_.IFunction,
+                 undelivered_notifications: Mapping[str, cw.IMetric], classifier: lambda_.IFunction,
                  failures_by_class: cw.IMetric, extra_alarms: Sequence[cw.IAlarm] = ()) -> None:
-        """`classifier`: the failure path's classifier function (alarm on its errors);
-        `failures_by_class`: its per-class metric (dashboard)."""
+        """`pipelines` and `undelivered_notifications`: per team, keyed by the prefix of its alarms
+        ("" for the default team, else the team's construct name); `classifier`: the failure path's
+        classifier function (alarm on its errors); `failures_by_class`: its per-class metric (dashboard)."""
         super().__init__(scope, construct_id)
         period = Duration.minutes(5)
         self._action = cw_actions.SnsAction(topic)
         self.alarms: list[cw.Alarm] = []
-        self._alarm_on_failures(pipeline=pipeline, helpers=helpers, rules=rules,
-                                undelivered_notifications=undelivered_notifications, period=period)
+        for prefix, pipeline in pipelines.items():
+            self._alarm_on_pipeline(prefix, pipeline, undelivered_notifications[prefix], period)
+        self._alarm_on_helpers(helpers=helpers, rules=rules, period=period)
         self._alarm("FailureClassifierErrors", classifier.metric_errors(period=period),
                     "The failure classifier function failed: failure notifications carry the raw error and "
                     "cause only (class 'unclassified'). See the function's log group.")
-        self.dashboard = self._dashboard(stage=stage, pipeline=pipeline, job_log_group=job_log_group,
+        self.dashboard = self._dashboard(stage=stage, pipelines=pipelines, job_log_group=job_log_group,
                                          extra_alarms=extra_alarms, period=period)
         self.dashboard.add_widgets(cw.GraphWidget(
             title="Failed runs by class (docs/operations.md, Why a run failed)", width=24,
@@ -57,18 +59,21 @@ class Monitoring(Construct):
         a.add_alarm_action(self._action)
         self.alarms.append(a)
 
-    def _alarm_on_failures(self, *, pipeline: sfn.StateMachine, helpers: Mapping[str, sfn.StateMachine],
-                           rules: Mapping[str, events.IRule], undelivered_notifications: cw.IMetric,
+    def _alarm_on_pipeline(self, prefix: str, pipeline: sfn.StateMachine, undelivered: cw.IMetric,
                            period: Duration) -> None:
-        """One alarm per failure signal: pipeline failed or timed out, a notification undelivered, a
-        helper state machine failed, an EventBridge rule could not deliver."""
-        self._alarm("PipelineFailed", pipeline.metric_failed(period=period),
-                    "A training pipeline execution failed (the failure notification has the step and cause).")
-        self._alarm("PipelineTimedOut", pipeline.metric_timed_out(period=period),
-                    "A training pipeline execution exceeded its overall timeout.")
-        self._alarm("NotificationsUndelivered", undelivered_notifications,
+        """A team's pipeline failed or timed out, or one of its notifications went undelivered."""
+        whose = f"{prefix} " if prefix else ""
+        self._alarm(f"{prefix}PipelineFailed", pipeline.metric_failed(period=period),
+                    f"A {whose}training pipeline execution failed (the failure notification has the step and cause).")
+        self._alarm(f"{prefix}PipelineTimedOut", pipeline.metric_timed_out(period=period),
+                    f"A {whose}training pipeline execution exceeded its overall timeout.")
+        self._alarm(f"{prefix}NotificationsUndelivered", undelivered,
                     "A run's outcome notification (published, rejected, superseded) could not be sent after its "
                     "retries; the run itself ended normally. See the pipeline execution log.")
+
+    def _alarm_on_helpers(self, *, helpers: Mapping[str, sfn.StateMachine], rules: Mapping[str, events.IRule],
+                          period: Duration) -> None:
+        """A helper state machine failed, an EventBridge rule could not deliver."""
         for name, machine in helpers.items():
             self._alarm(f"{name}Failed", machine.metric_failed(period=period),
                         f"The {name} state machine failed; see its log group.")
@@ -78,7 +83,7 @@ class Monitoring(Construct):
                                   dimensions_map={"RuleName": rule.rule_name}, statistic="Sum", period=period),
                         f"EventBridge could not deliver events of rule {name} to its target.")
 
-    def _dashboard(self, *, stage: str, pipeline: sfn.StateMachine, job_log_group: logs.ILogGroup,
+    def _dashboard(self, *, stage: str, pipelines: Mapping[str, sfn.StateMachine], job_log_group: logs.ILogGroup,
                    extra_alarms: Sequence[cw.IAlarm], period: Duration) -> cw.Dashboard:
         """Executions and alarms; per-step durations and queue activity (job state logs); the
         per-run training heartbeat (loss, throughput, global step)."""
@@ -93,11 +98,11 @@ class Monitoring(Construct):
         dashboard = cw.Dashboard(self, "Dashboard", default_interval=Duration.days(7))
         dashboard.add_widgets(
             cw.GraphWidget(title="Pipeline executions by status", width=12, left=[
-                pipeline.metric_started(period=period, label="started"),
-                pipeline.metric_succeeded(period=period, label="succeeded"),
-                pipeline.metric_failed(period=period, label="failed"),
-                pipeline.metric_timed_out(period=period, label="timed out"),
-                pipeline.metric_aborted(period=period, label="aborted")], stacked=True),
+                metric(period=period, label=f"{prefix} {label}".strip())
+                for prefix, pipeline in pipelines.items()
+                for label, metric in (("started", pipeline.metric_started), ("succeeded", pipeline.metric_succeeded),
+                                      ("failed", pipeline.metric_failed), ("timed out", pipeline.metric_timed_out),
+                                      ("aborted", pipeline.metric_aborted))], stacked=True),
             cw.AlarmStatusWidget(title="Alarms (incl. canary)", width=12,
                                  alarms=[*self.alarms, *extra_alarms]),
         )

@@ -31,12 +31,15 @@ class PipelineStates:
 
     Public: `scope`, `failure` (the failure path's first state) and `undelivered_states` (the Pass
     states a notification that could not be delivered leads to). `classifier`: the failure path's
-    classifier function (stacks/constructs/failure_diagnosis.py).
+    classifier function (stacks/constructs/failure_diagnosis.py). `team`: every notification
+    carries it as the SNS message attribute `team`, so a team subscribes to its own runs only (a
+    subscription filter policy, https://docs.aws.amazon.com/sns/latest/dg/sns-subscription-filter-policies.html).
     """
 
     def __init__(self, scope: Construct, *, config: PipelineConfig, topic: sns.ITopic,
-                 classifier: lambda_.IFunction) -> None:
+                 classifier: lambda_.IFunction, team: str | None = None) -> None:
         self.scope = scope
+        self._team = team
         self._cfg = config
         self._topic = topic
         self._classifier = classifier
@@ -131,13 +134,19 @@ class PipelineStates:
         state = self.raw(name, {
             "Type": "Task",
             "Resource": "arn:aws:states:::sns:publish",
-            "Parameters": {"TopicArn": self._topic.topic_arn, **subject_field, "Message.$": message},
+            "Parameters": {"TopicArn": self._topic.topic_arn, **subject_field, "Message.$": message,
+                           **self._team_attribute()},
             # Keep the run data for the next state (None cannot be expressed: jsii drops it).
             "ResultPath": "$.notified",
             "TimeoutSeconds": SERVICE_TASK_TIMEOUT_SECONDS,
         })
         self.service_retry(state, ("States.TaskFailed", "States.Timeout"))
         return state
+
+    def _team_attribute(self) -> dict:
+        if self._team is None:
+            return {}
+        return {"MessageAttributes": {"team": {"DataType": "String", "StringValue": self._team}}}
 
     def notify(self, name: str, end: sfn.IChainable, *, subject: str, message: str) -> sfn.CustomState:
         """A notification that cannot change the outcome: if it still fails after its retries,

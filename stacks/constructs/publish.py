@@ -1,4 +1,5 @@
-"""Conditional publish: the pointer models/current.json names the newest model, and an older run
+"""Conditional publish: the team's pointer (models/current.json, a team's models/<team>/current.json)
+names the newest model, and an older run
 never replaces a newer one (conditional writes, https://docs.aws.amazon.com/AmazonS3/latest/userguide/conditional-writes.html).
 """
 
@@ -10,7 +11,6 @@ from aws_cdk import aws_stepfunctions as sfn
 from pipeline_steps.contract import CHECKPOINTS_DIR, EMBEDDINGS_DIR, EXPORT_DIR, RUN_ID_PARAMETER, run_key, run_path
 from stacks.constructs.pipeline_states import PipelineStates
 
-CURRENT_MODEL_KEY = "models/current.json"
 EXPORT_PREFIX = run_key("{}", EXPORT_DIR) + "/"  # the run id goes in; written by the Export job (--s3-uri)
 # A failed conditional write is HTTP 412 PreconditionFailed, an error the S3 SDK model does not
 # name, which Step Functions reports as S3.S3Exception
@@ -19,31 +19,30 @@ S3_CONFLICT_ERRORS = ("S3.S3Exception",)
 MAX_PUBLISH_CONFLICTS = 5
 
 
-def publish(states: PipelineStates, artifacts_bucket: s3.IBucket) -> sfn.IChainable:
+def publish(states: PipelineStates, artifacts_bucket: s3.IBucket, pointer_key: str) -> sfn.IChainable:
     """ReadPublishedModel -> NewerModelPublished? -> (ModelSuperseded | PointerRecord[Replace]
     -> Publish[Replacement]). The write is conditional on what was read (If-None-Match: * for
     the first model, If-Match: <ETag> to replace one), so a run that published in between
     makes the write fail with 412 and the decision is taken again on the new pointer."""
     bucket = artifacts_bucket.bucket_name
     done = sfn.Succeed(states.scope, "Done")
-    published = states.notify(
-        "NotifyPublished", done,
-        subject="Training pipeline: new model published",
-        message="States.Format('Run {} published models/current.json. Gate report: {}', $.run_id, States.JsonToString($.gate.report))",
-    )
+    published = states.notify("NotifyPublished", done, subject="Training pipeline: new model published",
+                              message=f"States.Format('Run {{}} published {pointer_key}. Gate report: {{}}', "
+                                      "$.run_id, States.JsonToString($.gate.report))")
     superseded = states.notify(
         "NotifySuperseded", sfn.Succeed(states.scope, "ModelSuperseded"),
         subject="Training pipeline: model not published, a newer one is live",
         message="States.Format('Run {} (data version {}) passed the gate but was not published: "
-                "models/current.json already holds run {} of data version {}.', $.run_id, $.run.version, "
+                f"{pointer_key} already holds run {{}} of data version {{}}.', $.run_id, $.run.version, "
                 "$.latest.pointer.run_id, $.latest.pointer.data_version)",
     )
-    read_latest = states.s3_task("ReadPublishedModel", "getObject", {"Bucket": bucket, "Key": CURRENT_MODEL_KEY},
+    read_latest = states.s3_task("ReadPublishedModel", "getObject", {"Bucket": bucket, "Key": pointer_key},
                                 result_selector={"pointer.$": "States.StringToJson($.Body)", "etag.$": "$.ETag"},
                                 result_path="$.latest")
-    first_record, first_write = _pointer_write(states, artifacts_bucket, "PointerRecord", "Publish", {"IfNoneMatch": "*"})
-    replace_record, replace_write = _pointer_write(states, artifacts_bucket, 
-        "PointerRecordReplace", "PublishReplacement", {"IfMatch.$": "$.latest.etag"})
+    first_record, first_write = _pointer_write(states, artifacts_bucket, pointer_key, "PointerRecord", "Publish",
+                                              {"IfNoneMatch": "*"})
+    replace_record, replace_write = _pointer_write(states, artifacts_bucket, pointer_key, "PointerRecordReplace",
+                                                   "PublishReplacement", {"IfMatch.$": "$.latest.etag"})
     read_latest.add_catch(first_record, errors=["S3.NoSuchKeyException"], result_path="$.latest")
     read_latest.add_catch(states.failure, errors=["States.ALL"], result_path="$.failure.ReadPublishedModel")
 
@@ -71,7 +70,7 @@ def publish(states: PipelineStates, artifacts_bucket: s3.IBucket) -> sfn.IChaina
     again.when(sfn.Condition.number_less_than("$.publish_conflicts.count", MAX_PUBLISH_CONFLICTS), read_latest)
     again.otherwise(states.fail_with(
         "PublishConflicts", "PublishFailed",
-        f"States.Format('models/current.json changed or refused the write {MAX_PUBLISH_CONFLICTS} times; last "
+        f"States.Format('{pointer_key} changed or refused the write {MAX_PUBLISH_CONFLICTS} times; last "
         f"error: {{}}', States.JsonToString($.publish_error))"))
     for write in (first_write, replace_write):
         write.add_catch(conflict, errors=list(S3_CONFLICT_ERRORS), result_path="$.publish_error")
@@ -80,8 +79,8 @@ def publish(states: PipelineStates, artifacts_bucket: s3.IBucket) -> sfn.IChaina
     return read_latest
 
 
-def _pointer_write(states: PipelineStates, artifacts_bucket: s3.IBucket, record_name: str, write_name: str,
-                   condition: dict) -> tuple[sfn.CustomState, sfn.CustomState]:
+def _pointer_write(states: PipelineStates, artifacts_bucket: s3.IBucket, pointer_key: str, record_name: str,
+                   write_name: str, condition: dict) -> tuple[sfn.CustomState, sfn.CustomState]:
     """The pointer to the new current model, built as JSON data (no string templating), and
     its conditional write as one object."""
     bucket = artifacts_bucket.bucket_name
@@ -106,7 +105,7 @@ def _pointer_write(states: PipelineStates, artifacts_bucket: s3.IBucket, record_
     })
     write = states.s3_task(write_name, "putObject", {
         "Bucket": bucket,
-        "Key": CURRENT_MODEL_KEY,
+        "Key": pointer_key,
         "ContentType": "application/json",
         # The SDK integration takes the body as a string.
         "Body.$": "States.JsonToString($.pointer)",

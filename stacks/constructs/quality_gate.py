@@ -11,15 +11,14 @@ from aws_cdk import aws_stepfunctions as sfn
 
 from pipeline_steps.contract import GATE_REPORT, RUN_ID_PARAMETER, VALIDATION_METRICS, run_key, run_path
 from stacks.constructs.pipeline_states import PipelineStates
-from stacks.constructs.publish import CURRENT_MODEL_KEY
 
 
-def production_baseline(states: PipelineStates, artifacts_bucket: s3.IBucket, *,
+def production_baseline(states: PipelineStates, artifacts_bucket: s3.IBucket, pointer_key: str, *,
                         then: sfn.IChainable) -> sfn.IChainable:
     """ReadCurrentModel -> CurrentModelValid -> UseCurrentModel | NoProductionModel -> ApplyBaseline
     -> `then`: always read, so every run is gated against production."""
     read_current = states.s3_task("ReadCurrentModel", "getObject", {
-        "Bucket": artifacts_bucket.bucket_name, "Key": CURRENT_MODEL_KEY,
+        "Bucket": artifacts_bucket.bucket_name, "Key": pointer_key,
     }, result_selector={"pointer.$": "States.StringToJson($.Body)"}, result_path="$.current")
     # A run starts from the published model unless the input names init_from; its gate
     # baseline is always the published model's metrics (ApplyBaseline: input wins for the
@@ -56,7 +55,7 @@ def production_baseline(states: PipelineStates, artifacts_bucket: s3.IBucket, *,
         sfn.Condition.is_string("$.current.pointer.run_id")), use_current)
     pointer_valid.otherwise(states.fail_with(
         "MalformedCurrentModel", "MalformedDocument",
-        f"States.Format('s3://{artifacts_bucket.bucket_name}/{CURRENT_MODEL_KEY} needs string fields checkpoint and "
+        f"States.Format('s3://{artifacts_bucket.bucket_name}/{pointer_key} needs string fields checkpoint and "
         f"run_id (a pointer written by Publish); fix or restore the object, then start the run again. Got: {{}}', "
         f"States.JsonToString($.current.pointer))"))
     use_current.next(apply_baseline)

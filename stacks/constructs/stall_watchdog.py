@@ -11,6 +11,7 @@ and the timing.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from aws_cdk import ArnFormat, Duration, Stack
 from aws_cdk import aws_batch as batch
@@ -38,7 +39,8 @@ from stacks.pipeline_config import PipelineConfig
 # Where the Batch "Job State Change" event carries the run id: the job's `run_id` parameter, its only
 # run identity. It is exactly what the job emits as the heartbeat's RunId dimension: the job
 # definitions run `--run-dir /fsx/runs/Ref::run_id`, training_image/entrypoint.sh exports
-# PIPELINE_RUN_ID = basename of --run-dir, and pipeline_steps/heartbeat.py publishes it. So the
+# PIPELINE_RUN_ID = the run dir below /fsx/runs (= run_id, `<team>/<name>` for a team's run), and
+# pipeline_steps/heartbeat.py publishes it. So the
 # alarm watches this run's series only, and a healthy concurrent run of the same stage cannot hide
 # a stalled one.
 JOB_EVENT_RUN_ID_PATH = f"$.detail.parameters.{RUN_ID_PARAMETER}"
@@ -48,14 +50,14 @@ HEARTBEAT_POLL_MINUTES = 2
 
 
 class StallWatchdog(Construct):
-    """Per-job heartbeat alarms for the Train job definition and termination on ALARM: one
+    """Per-job heartbeat alarms for the Train job definitions (one per team) and termination on ALARM: one
     execution per event, routed to arm (Batch RUNNING, on the first heartbeat, while the same
     attempt runs), terminate (CloudWatch ALARM, if the job still runs) or disarm (any other
     Batch status). Public: `state_machine`, `alarm_prefix`, `rules`.
     """
 
     def __init__(self, scope: Construct, construct_id: str, *, config: PipelineConfig, stage: str,
-                 train_job_definition: JobDefinitionRef, training_queue: batch.IJobQueue,
+                 train_job_definitions: Sequence[JobDefinitionRef], training_queue: batch.IJobQueue,
                  ownership: JobOwnership, topic: sns.ITopic, key: kms.IKey) -> None:
         super().__init__(scope, construct_id)
         stack = Stack.of(self)
@@ -104,7 +106,7 @@ class StallWatchdog(Construct):
             events.Rule(self, "TrainJobStateRule", targets=[target], event_pattern=events.EventPattern(
                 source=["aws.batch"], detail_type=["Batch Job State Change"],
                 # RUNNABLE/STARTING: a retry attempt; its alarm goes until its own RUNNING arms it.
-                detail={"jobDefinition": train_job_definition.event_pattern(self),
+                detail={"jobDefinition": [p for job in train_job_definitions for p in job.event_pattern(self)],
                         "status": ["RUNNABLE", "STARTING", "RUNNING", "SUCCEEDED", "FAILED"]})),
             events.Rule(self, "StallAlarmRule", targets=[target], event_pattern=events.EventPattern(
                 source=["aws.cloudwatch"], detail_type=["CloudWatch Alarm State Change"],

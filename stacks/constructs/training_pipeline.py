@@ -20,17 +20,18 @@ from aws_cdk import aws_stepfunctions as sfn
 from constructs import Construct
 
 from pipeline_steps.contract import (
-    GATE_REPORT, HEARTBEAT_NAMESPACE, PIPELINE_STEPS, RUN_ID_PARAMETER, PipelineStep, run_key,
+    GATE_REPORT, HEARTBEAT_NAMESPACE, PIPELINE_STEPS, RUN_ID_PARAMETER, PipelineStep, TeamPaths, run_key,
 )
-from stacks.constructs.input_checks import input_checks, input_rules
+from stacks.constructs.input_checks import input_checks, input_rules, policy_shares
 from stacks.constructs.job_definitions import JobDefinitionRef
 from stacks.constructs.job_ownership import JobOwnership
 from stacks.constructs.pipeline_states import PipelineStates
 from stacks.constructs.prepare_states import SHARDS_FIELD, array_submit, prepare_submit
-from stacks.constructs.publish import CURRENT_MODEL_KEY, export_uri, publish
+from stacks.constructs.publish import export_uri, publish
 from stacks.constructs.quality_gate import gate, production_baseline
 from stacks.constructs.retention import retention_days
 from stacks.pipeline_config import PipelineConfig
+from stacks.team_config import TeamConfig
 
 # The only errors Step Functions retries: Batch API faults. Host faults and our retryable exit
 # code are retried by the job definitions' retry strategies (evaluateOnExit); anything else is a
@@ -40,7 +41,7 @@ BATCH_API_ERRORS: tuple[str, ...] = (
     "Batch.ServerException",
     "Batch.TooManyRequestsException",
 )
-GATE_KEY_PATTERN = run_key("*", GATE_REPORT)
+GATE_KEY_PATTERN = run_key("*", GATE_REPORT)  # a team's: runs/<team>/*/validation/gate.json
 UNDELIVERED_NAMESPACE = f"{HEARTBEAT_NAMESPACE}/Pipeline"
 
 
@@ -65,7 +66,10 @@ def _check_wiring(config: PipelineConfig, *, queues: Mapping[str, batch.IJobQueu
 
 
 class TrainingPipeline(Construct):
-    """The Standard state machine, its KMS-encrypted log group and its least-privilege role.
+    """The Standard state machine of one team (`team` None: the default team of a stage without
+    teams), its KMS-encrypted log group and its least-privilege role. A team's runs have the run id
+    `<team>/<execution name>`, read and write only the team's paths (TeamPaths), submit with the
+    team's share identifier and job tag, and its notifications carry the message attribute `team`.
 
     Public attributes: `state_machine`, `log_group`, `undelivered_states` (the Pass states a
     notification that could not be delivered leads to) and `undelivered_metric` (their count in
@@ -88,10 +92,15 @@ class TrainingPipeline(Construct):
         max_nodes: int,
         queue_wait: Duration,
         ownership: JobOwnership,
+        team: TeamConfig | None = None,
     ) -> None:
         super().__init__(scope, construct_id)
         _check_wiring(config, queues=queues, job_definitions=job_definitions, max_nodes=max_nodes)
         self._cfg = config
+        self._team = team
+        self._paths = team.paths if team else TeamPaths()
+        self._shares = (team.share_identifier,) if team else policy_shares(queues["training"])
+        self.gate_key_pattern = f"{self._paths.runs_prefix}*/{GATE_REPORT}"
         self._ownership = ownership
         self._queues = queues
         self._job_definitions = job_definitions
@@ -101,7 +110,8 @@ class TrainingPipeline(Construct):
         self._classifier = classifier
         self._max_nodes = max_nodes
         self._queue_wait_minutes = int(queue_wait.to_minutes())
-        self._states = PipelineStates(self, config=config, topic=topic, classifier=classifier)
+        self._states = PipelineStates(self, config=config, topic=topic, classifier=classifier,
+                                      team=team.name if team else None)
         self.undelivered_states: list[str] = self._states.undelivered_states
         start = self._chain()
 
@@ -131,14 +141,15 @@ class TrainingPipeline(Construct):
         states = self._states
         batch_states = {step.state: self._submit(step) for step in PIPELINE_STEPS}
         start, configured = self._configuration()
-        checks = input_rules(self._queues["training"], self._max_nodes)
-        configured.next(input_checks(states, checks, data_bucket=self._data_bucket,
-                                     then=production_baseline(states, self._bucket, then=batch_states["Prepare"])))
+        checks = input_rules(self._shares, self._max_nodes, self._paths)
+        configured.next(input_checks(states, checks, data_bucket=self._data_bucket, paths=self._paths,
+                                     then=production_baseline(states, self._bucket, self._paths.current_model_key,
+                                                              then=batch_states["Prepare"])))
         for earlier, later in zip(PIPELINE_STEPS, PIPELINE_STEPS[1:]):
             if later.state != "Embed":
                 batch_states[earlier.state].next(batch_states[later.state])
         batch_states["Validate"].next(gate(states, self._bucket, passed=batch_states["Embed"]))
-        batch_states["Export"].next(publish(states, self._bucket))
+        batch_states["Export"].next(publish(states, self._bucket, self._paths.current_model_key))
         return start
 
     def _count_undelivered(self) -> cw.Metric:
@@ -180,7 +191,7 @@ class TrainingPipeline(Construct):
                       "States.JsonToString($$.Execution.Input)), '{'), 0)")
         shape = self._states.raw("InputShape", {
             "Type": "Pass",
-            "Parameters": {f"{RUN_ID_PARAMETER}.$": "$$.Execution.Name",
+            "Parameters": {f"{RUN_ID_PARAMETER}.$": self._run_id(),
                            "is_object.$": f"States.ArrayContains(States.Array({first_part}), 'x')"},
         })
         is_object = sfn.Choice(self, "InputIsObject")
@@ -201,7 +212,7 @@ class TrainingPipeline(Construct):
             "data_uri": "",
             "previous_metrics": "",
             "num_nodes": cfg.default_num_nodes,
-            "share": cfg.production_share,
+            "share": self._shares[0] if self._team else cfg.production_share,
             "priority": cfg.default_priority,
             "embed_shards": cfg.embed_array_size,
             SHARDS_FIELD: cfg.prepare_array_size,
@@ -210,7 +221,7 @@ class TrainingPipeline(Construct):
             "Type": "Pass",
             "Parameters": {
                 "run.$": "States.JsonMerge($.defaults, $$.Execution.Input, false)",
-                f"{RUN_ID_PARAMETER}.$": "$$.Execution.Name",
+                f"{RUN_ID_PARAMETER}.$": self._run_id(),
                 # With the data version, the order in which runs may publish.
                 "started_at.$": "$$.Execution.StartTime",
                 "problems": {"text": ""},
@@ -219,6 +230,11 @@ class TrainingPipeline(Construct):
         })
         defaults.next(apply_defaults)
         return self._input_shape(then=defaults), apply_defaults
+
+    def _run_id(self) -> str:
+        """The run id: the execution name, for a team `<team>/<execution name>` (TeamPaths.run_id)."""
+        name = "$$.Execution.Name"
+        return f"States.Format('{self._paths.run_id('{}')}', {name})" if self._team else name
 
     def _step_fields(self, step: PipelineStep) -> dict:
         """What one step adds to the SubmitJob request all steps share."""
@@ -309,9 +325,9 @@ class TrainingPipeline(Construct):
         # ListData asks whether the run's data exists (ListObjectsV2 with MaxKeys 1): list only.
         role.add_to_principal_policy(iam.PolicyStatement(actions=["s3:ListBucket"],
                                                          resources=[self._data_bucket.bucket_arn]))
-        self._bucket.grant_read(role, CURRENT_MODEL_KEY)
-        self._bucket.grant_put(role, CURRENT_MODEL_KEY)
-        self._bucket.grant_read(role, GATE_KEY_PATTERN)
+        self._bucket.grant_read(role, self._paths.current_model_key)
+        self._bucket.grant_put(role, self._paths.current_model_key)
+        self._bucket.grant_read(role, self.gate_key_pattern)
         self._topic.grant_publish(role)
         # The failure path's classifier, unqualified (no version or alias: no ARN wildcard).
         role.add_to_principal_policy(iam.PolicyStatement(actions=["lambda:InvokeFunction"],

@@ -6,6 +6,8 @@ decides", "Pinning the Neuron AMI") gives the reasons for the queue layout and t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from aws_cdk import Annotations, Duration
 from aws_cdk import aws_batch as batch
 from aws_cdk import aws_ec2 as ec2
@@ -13,8 +15,8 @@ from aws_cdk import aws_iam as iam
 from cdk_nag import NagPackSuppression, NagSuppressions
 from constructs import Construct
 
-from stacks.config import ComputeConfig, InstanceSpec, NeuronAmi
-from stacks.constructs.efa_launch_template import EfaLaunchTemplate
+from stacks.config import ComputeConfig, InstanceSpec, NeuronAmi, Share
+from stacks.constructs.efa_launch_template import EfaLaunchTemplate, ProjectQuota
 
 # Queue name -> its compute environment's key: one fair-share queue each, so production and
 # experiment runs share the training queue and the shares' weights decide between them
@@ -61,28 +63,14 @@ class TrainiumCompute(Construct):
         placement_group: ec2.IPlacementGroup,
         fsx_dns_name: str,
         fsx_mount_name: str,
+        shares: Sequence[Share],
+        compute_reservation: int,
+        quotas: Sequence[ProjectQuota] = (),
     ) -> None:
+        """`shares` and `compute_reservation`: the fair-share policy's (StageConfig.fair_shares,
+        .compute_reservation); `quotas`: the teams' FSx project quotas every host applies at boot."""
         super().__init__(scope, construct_id)
-        self.instance_role = iam.Role(
-            self,
-            "InstanceRole",
-            assumed_by=iam.ServicePrincipal("ec2.amazonaws.com"),
-            description="Batch ECS container instances (ECS agent registration, image pull)",
-            managed_policies=[
-                iam.ManagedPolicy.from_aws_managed_policy_name("service-role/AmazonEC2ContainerServiceforEC2Role")
-            ],
-        )
-        NagSuppressions.add_resource_suppressions(
-            self.instance_role,
-            [
-                NagPackSuppression(
-                    id="AwsSolutions-IAM4",
-                    reason="AmazonEC2ContainerServiceforEC2Role is the AWS-maintained policy the ECS agent on Batch "
-                    "container instances needs (register, poll, pull); a hand copy would drift from the agent.",
-                    applies_to=["Policy::arn:<AWS::Partition>:iam::aws:policy/service-role/AmazonEC2ContainerServiceforEC2Role"],
-                )
-            ],
-        )
+        self.instance_role = self._instance_role()
         self.machine_image = neuron_machine_image(self, ami, region)
         # An image override with type ECS_AL2023: Batch has no Neuron image type.
         image = batch.EcsMachineImage(image=self.machine_image, image_type=batch.EcsMachineImageType.ECS_AL2023)
@@ -101,21 +89,45 @@ class TrainiumCompute(Construct):
                 key, spec=spec, max_instances=max_instances, placement_group=placement, config=config,
                 longest_job=longest_job,
                 image=image, vpc=vpc, subnets=subnets, node_security_group=node_security_group,
-                fsx_dns_name=fsx_dns_name, fsx_mount_name=fsx_mount_name,
+                fsx_dns_name=fsx_dns_name, fsx_mount_name=fsx_mount_name, quotas=quotas,
             )
 
-        self.share_identifiers = config.share_identifiers
-        self.scheduling_policy = self._fair_share_policy(config)
+        self.share_identifiers = tuple(share.identifier for share in shares)
+        self.scheduling_policy = self._fair_share_policy(config, shares, compute_reservation)
         self.queues = self._queues(config)
 
-    def _fair_share_policy(self, config: ComputeConfig) -> batch.FairshareSchedulingPolicy:
-        """The shares' weights decide between production and experiment runs in the one training queue."""
+    def _instance_role(self) -> iam.Role:
+        role = iam.Role(
+            self,
+            "InstanceRole",
+            assumed_by=iam.ServicePrincipal("ec2.amazonaws.com"),
+            description="Batch ECS container instances (ECS agent registration, image pull)",
+            managed_policies=[
+                iam.ManagedPolicy.from_aws_managed_policy_name("service-role/AmazonEC2ContainerServiceforEC2Role")
+            ],
+        )
+        NagSuppressions.add_resource_suppressions(
+            role,
+            [
+                NagPackSuppression(
+                    id="AwsSolutions-IAM4",
+                    reason="AmazonEC2ContainerServiceforEC2Role is the AWS-maintained policy the ECS agent on Batch "
+                    "container instances needs (register, poll, pull); a hand copy would drift from the agent.",
+                    applies_to=["Policy::arn:<AWS::Partition>:iam::aws:policy/service-role/AmazonEC2ContainerServiceforEC2Role"],
+                )
+            ],
+        )
+        return role
+
+    def _fair_share_policy(self, config: ComputeConfig, shares: Sequence[Share],
+                           compute_reservation: int) -> batch.FairshareSchedulingPolicy:
+        """The shares' weights decide between the teams (or production and experiment runs) in each queue."""
         return batch.FairshareSchedulingPolicy(
             self,
             "FairSharePolicy",
-            shares=[batch.Share(share_identifier=s.identifier, weight_factor=s.weight) for s in config.shares],
+            shares=[batch.Share(share_identifier=s.identifier, weight_factor=s.weight) for s in shares],
             share_decay=Duration.seconds(config.share_decay_seconds),
-            compute_reservation=config.compute_reservation,
+            compute_reservation=compute_reservation,
         )
 
     def _queues(self, config: ComputeConfig) -> dict[str, batch.JobQueue]:
@@ -153,13 +165,14 @@ class TrainiumCompute(Construct):
         self, key: str, *, spec: InstanceSpec, max_instances: int, placement_group: ec2.IPlacementGroup | None,
         config: ComputeConfig, longest_job: Duration, image: batch.EcsMachineImage,
         vpc: ec2.IVpc, subnets: ec2.SubnetSelection, node_security_group: ec2.ISecurityGroup, fsx_dns_name: str, fsx_mount_name: str,
+        quotas: Sequence[ProjectQuota],
     ) -> None:
         prefix = "".join(part.capitalize() for part in key.split("-"))
         template = EfaLaunchTemplate(
             self, f"{prefix}LaunchTemplate", spec=spec, security_group=node_security_group,
             root_volume_gib=config.root_volume_gib, root_volume_throughput_mibps=config.root_volume_throughput_mibps,
             root_volume_iops=config.root_volume_iops, min_driver=config.min_neuron_driver_version,
-            fsx_dns_name=fsx_dns_name, fsx_mount_name=fsx_mount_name,
+            fsx_dns_name=fsx_dns_name, fsx_mount_name=fsx_mount_name, quotas=quotas,
         )
         has_interfaces = bool(template.interfaces)
         ce = batch.ManagedEc2EcsComputeEnvironment(

@@ -1,4 +1,5 @@
-"""One local deployment per test session, and the pipeline runs the scenarios share.
+"""One local deployment, and the pipeline runs the scenarios share (the moto world lives for the
+module that uses it: test_teams.py starts its own stage in an empty moto).
 
     e2e_stage          the dev stage, synthesized once
     e2e_world          the dev stage in moto with the local Batch (tests/e2e/world.py)
@@ -46,7 +47,7 @@ def e2e_stage() -> Stage:
     return synthesize(PRESET)
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def e2e_world(tmp_path_factory, e2e_stage):
     with E2EWorld(tmp_path_factory.mktemp("e2e"), preset=PRESET, stage=e2e_stage) as world:
         yield world
@@ -57,7 +58,7 @@ def demo_data(tmp_path_factory) -> Path:
     return write_demo(tmp_path_factory.mktemp("upload") / "v1", PRESET)
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def first_run(e2e_world, demo_data) -> RunResult:
     e2e_world.batch.faults.append(Fault("train", attempt=1, node_index=KILLED_NODE, ready=first_checkpoint_written))
     e2e_world.upload_dataset(DATASET, "v1", demo_data)
@@ -93,7 +94,7 @@ class RejectedRun:
     pointer_before: dict  # models/current.json before the upload
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def rejected_run(e2e_world, first_run, demo_data, tmp_path_factory) -> RejectedRun:
     pointer_before = e2e_world.read_json("artifacts_bucket", "models/current.json")
     data = mismatched_pairs(demo_data, tmp_path_factory.mktemp("upload") / "v2")
@@ -103,7 +104,7 @@ def rejected_run(e2e_world, first_run, demo_data, tmp_path_factory) -> RejectedR
     return RejectedRun(result, pointer_before)
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def production_run(e2e_world, rejected_run) -> RunResult:
     result = e2e_world.start_run(f"{DATASET}-v2-one-node",
                                  one_node_run_input(DATASET, "v2", init_from=run_path(f"{DATASET}-v1")))
@@ -111,6 +112,6 @@ def production_run(e2e_world, rejected_run) -> RunResult:
     return result
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def canary_run(e2e_world, production_run) -> JobRun:
     return e2e_world.run_canary()

@@ -28,6 +28,7 @@ stand-ins for the Neuron tools, moto for every AWS API the steps call (AWS_ENDPO
 
 from __future__ import annotations
 
+import fcntl
 import fnmatch
 import os
 import shutil
@@ -35,9 +36,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -297,23 +300,23 @@ class LocalBatch:
         processes = (node_count or 1) * self.setup.nproc_per_node
         argv = ["bash", str(ENTRYPOINT),
                 *local_arguments(substitute(spec.command, parameters), self.setup.fsx_root, processes)]
-        if node_count:
-            _wait_for_free_port(RENDEZVOUS_PORT, PORT_WAIT_S)
-        started, t0 = datetime.now(), time.monotonic()
-        procs: list[subprocess.Popen] = []
-        logs: list[Path] = []
-        environments: list[dict[str, str]] = []
-        indices = [spec.main_node] + [i for i in range(node_count or 1) if i != spec.main_node]
-        for index in indices:  # Batch starts the main node first, then the children
-            env = self._environment(spec, run, queue, number, index if node_count else None, node_count)
-            environments.append(env)
-            suffix = f"-node{index}" if node_count else (f"-{run.array_index}" if run.array_index is not None else "")
-            log_path = self.setup.log_dir / f"{run.job_name}{suffix}-{run.job_id[:8]}-attempt{number}.log"
-            with open(log_path, "wb") as log_fh:
-                procs.append(subprocess.Popen(argv, env=env, stdout=log_fh, stderr=subprocess.STDOUT,
-                                              cwd=self.setup.work_dir, start_new_session=True))
-            logs.append(log_path)
-        codes, reason = self._wait(spec, run, number, procs, indices, parameters)
+        with _rendezvous_port(RENDEZVOUS_PORT) if node_count else nullcontext():
+            started, t0 = datetime.now(), time.monotonic()
+            procs: list[subprocess.Popen] = []
+            logs: list[Path] = []
+            environments: list[dict[str, str]] = []
+            indices = [spec.main_node] + [i for i in range(node_count or 1) if i != spec.main_node]
+            for index in indices:  # Batch starts the main node first, then the children
+                env = self._environment(spec, run, queue, number, index if node_count else None, node_count)
+                environments.append(env)
+                suffix = f"-node{index}" if node_count else (
+                    f"-{run.array_index}" if run.array_index is not None else "")
+                log_path = self.setup.log_dir / f"{run.job_name}{suffix}-{run.job_id[:8]}-attempt{number}.log"
+                with open(log_path, "wb") as log_fh:
+                    procs.append(subprocess.Popen(argv, env=env, stdout=log_fh, stderr=subprocess.STDOUT,
+                                                  cwd=self.setup.work_dir, start_new_session=True))
+                logs.append(log_path)
+            codes, reason = self._wait(spec, run, number, procs, indices, parameters)
         main_code = codes[0]
         if not reason:
             reason = "Essential container in task exited"
@@ -395,10 +398,20 @@ class LocalBatch:
         return [code if code >= 0 else 128 - code for code in (proc.wait() for proc in procs)], reason
 
 
-def _wait_for_free_port(port: int, timeout_s: float) -> None:
+@contextmanager
+def _rendezvous_port(port: int) -> Iterator[None]:
     """The entrypoint's rendezvous port is fixed (each Batch node has its own network interface);
-    here every node shares this host's, so a multi-node job waits for another one (e.g. a second
-    e2e run on the same machine) to release it."""
+    here every node shares this host's, so one multi-node job at a time holds it: a lock file
+    orders the jobs of every e2e world on this host (parallel test workers, a `make e2e` beside
+    the tests), and the port must be free of anything else too."""
+    with open(Path(tempfile.gettempdir()) / f"trainium-e2e-rendezvous-{port}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _wait_for_free_port(port, PORT_WAIT_S)
+        yield
+
+
+def _wait_for_free_port(port: int, timeout_s: float) -> None:
+    """Until `port` can be bound (another program may hold it), or `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while True:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:

@@ -25,6 +25,7 @@ from infra_synth import (  # noqa: E402
     TEST_DIAGNOSIS_ASSET_HASH, TEST_IMAGE, cdk_json_context, stage_config, template_json,
 )
 
+from stacks.config import StageConfig  # noqa: E402
 from stacks.stages import build_stage  # noqa: E402
 
 STAGE = "dev"
@@ -101,11 +102,11 @@ class Stage:
         return json.loads(self.resolve("pipeline", res["Properties"]["DefinitionString"]))
 
 
-def synthesize(preset: str = "tiny") -> Stage:
+def synthesize(preset: str = "tiny", config: StageConfig | None = None) -> Stage:
     """The dev stage's stacks and templates (one synthesis: ~30 s of CDK work on 2 cores), as
     tests/infra synthesizes it, with the training preset set to `preset` (the stage's TrainingConfig renders it into the
-    Prepare, Compile and Train commands)."""
-    cfg = stage_config(STAGE)
+    Prepare, Compile and Train commands); `config` replaces the dev stage's (e.g. with teams)."""
+    cfg = config or stage_config(STAGE)
     cfg = replace(cfg, training=replace(cfg.training, preset=preset))
     app = cdk.App(context=cdk_json_context())
     stacks = build_stage(app, cfg, image_uri=TEST_IMAGE, diagnosis_asset_hash=TEST_DIAGNOSIS_ASSET_HASH)

@@ -24,7 +24,7 @@ import boto3
 from moto import mock_aws
 from moto.server import ThreadedMotoServer
 
-from pipeline_steps.contract import CANARY_JOB, FSX_INCOMING, FSX_MOUNT_POINT, run_path
+from pipeline_steps.contract import CANARY_JOB, FSX_INCOMING, FSX_MOUNT_POINT, TeamPaths, run_path
 from tests.e2e.local_batch import JobDefinitionSpec, JobRun, LocalBatch, LocalSetup
 from tests.e2e.stage import Stage, synthesize
 
@@ -64,7 +64,8 @@ class RunResult:
 
 class E2EWorld:
     """Context manager; attributes after __enter__: stage, batch (LocalBatch), s3, sfn, buckets,
-    pipeline_arn, starter_arn, topic_arn."""
+    pipeline_arn (the first team's pipeline), pipeline_arns (team, None for the default team -> its
+    pipeline), topic_arn."""
 
     def __init__(self, work_dir: Path, *, nproc_per_node: int = 1, preset: str = "tiny",
                  stage: Stage | None = None) -> None:
@@ -100,7 +101,8 @@ class E2EWorld:
         self._create_state_machines()
         self._create_rule()
         self.batch = LocalBatch(setup, definitions, before_job=self.import_data_repository)
-        self.hooks.run_job = self.batch.run_moto_job
+        self.hooks.run_job = self._run_job
+        self._logs = boto3.client("logs", region_name=region)
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -133,7 +135,9 @@ class E2EWorld:
             self._queue_arns[name] = arn
         templates = self.stage.templates["compute"]["Resources"]
         definitions: dict[str, JobDefinitionSpec] = {}
-        for name, job_definition in compute.job_definitions.items():
+        every = [(name, jd) for jobs in (compute.jobs, *compute.team_jobs.values())
+                 for name, jd in jobs.job_definitions.items()]  # the canary's and every team's
+        for name, job_definition in every:
             props = templates[self.stage.logical_id(job_definition)]["Properties"]
             spec = JobDefinitionSpec.from_properties(name, self.stage.resolve("compute", _runtime_fields(props)))
             arn = self._batch_api.register_job_definition(
@@ -164,28 +168,55 @@ class E2EWorld:
         # The failure classifier runs in this process (moto_batch.py's Lambda hook).
         classifier = f"arn:aws:lambda:{self.stage.region}:{self.stage.account}:function:FailureClassifier"
         self.stage.bind("pipeline", pipeline.diagnosis.function, "FailureClassifier", Arn=classifier)
-        self.pipeline_arn = self.sfn.create_state_machine(
-            name="TrainingPipeline", roleArn=role,
-            definition=json.dumps(self.stage.state_machine_definition(pipeline.pipeline.state_machine)))["stateMachineArn"]
-        self.stage.bind("pipeline", pipeline.pipeline.state_machine, self.pipeline_arn, Name="TrainingPipeline")
-        self.starter_arn = self.sfn.create_state_machine(
-            name="Starter", roleArn=role,
-            definition=json.dumps(self.stage.state_machine_definition(pipeline.trigger.starter)))["stateMachineArn"]
-        self.stage.bind("pipeline", pipeline.trigger.starter, self.starter_arn)
+        # One pipeline and starter per team (the default team's alone in a stage without teams).
+        self.pipeline_arns: dict[str | None, str] = {}
+        for team, team_pipeline in pipeline.pipelines.items():
+            machine, starter, prefix = team_pipeline.pipeline.state_machine, team_pipeline.trigger.starter, \
+                team_pipeline.prefix
+            arn = self.sfn.create_state_machine(
+                name=f"{prefix}TrainingPipeline", roleArn=role,
+                definition=json.dumps(self.stage.state_machine_definition(machine)))["stateMachineArn"]
+            self.stage.bind("pipeline", machine, arn, Name=f"{prefix}TrainingPipeline")
+            self.pipeline_arns[team] = arn
+            self.stage.bind("pipeline", starter, self.sfn.create_state_machine(
+                name=f"{prefix}Starter", roleArn=role,
+                definition=json.dumps(self.stage.state_machine_definition(starter)))["stateMachineArn"])
+        self.pipeline_arn = next(iter(self.pipeline_arns.values()))
 
     def _create_rule(self) -> None:
-        rule = self.stage.stacks["pipeline"].trigger.rule
-        props = self.stage.templates["pipeline"]["Resources"][self.stage.logical_id(rule)]["Properties"]
         events = boto3.client("events", region_name=self.stage.region)
-        events.put_rule(Name="NewDataRule", EventPattern=json.dumps(self.stage.resolve("pipeline", props["EventPattern"])),
-                        State=props.get("State", "ENABLED"))
-        events.put_targets(Rule="NewDataRule", Targets=[
-            {"Id": t["Id"], "Arn": self.stage.resolve("pipeline", t["Arn"])} for t in props["Targets"]])
+        for team_pipeline in self.stage.stacks["pipeline"].pipelines.values():
+            rule, name = team_pipeline.trigger.rule, f"{team_pipeline.prefix}NewDataRule"
+            props = self.stage.templates["pipeline"]["Resources"][self.stage.logical_id(rule)]["Properties"]
+            events.put_rule(Name=name, EventPattern=json.dumps(self.stage.resolve("pipeline", props["EventPattern"])),
+                            State=props.get("State", "ENABLED"))
+            events.put_targets(Rule=name, Targets=[
+                {"Id": t["Id"], "Arn": self.stage.resolve("pipeline", t["Arn"])} for t in props["Targets"]])
+
+    def _run_job(self, job, submitted) -> bool:
+        """The local Batch runs the job; then its last attempt's log (every node's) goes to the log
+        stream DescribeJobs names, where the failure classifier reads it, as on AWS."""
+        succeeded = self.batch.run_moto_job(job, submitted)
+        run = next((r for r in reversed(self.batch.runs) if r.job_id == job.job_id), None)
+        if run is not None:
+            lines = [line for log in run.attempts[-1].logs for line in log.read_text(errors="replace").splitlines()]
+            group, stream = job._log_group, job.log_stream_name
+            try:
+                self._logs.create_log_group(logGroupName=group)
+            except self._logs.exceptions.ResourceAlreadyExistsException:
+                pass  # another job's (jobs of two runs may end at once)
+            self._logs.create_log_stream(logGroupName=group, logStreamName=stream)
+            now = int(time.time() * 1000)
+            if lines:
+                self._logs.put_log_events(logGroupName=group, logStreamName=stream,
+                                          logEvents=[{"timestamp": now, "message": line} for line in lines[-500:]])
+        return succeeded
 
     # ---- actions ---------------------------------------------------------------------------
-    def upload_dataset(self, dataset: str, version: str, source: Path, marker: str = "_SUCCESS") -> str:
-        """Upload every file under `source` to incoming/<dataset>/<version>/, the marker last."""
-        prefix = f"{DATA_REPOSITORY_PREFIX}{dataset}/{version}/"
+    def upload_dataset(self, dataset: str, version: str, source: Path, marker: str = "_SUCCESS",
+                       team: str | None = None) -> str:
+        """Upload every file under `source` to incoming/[<team>/]<dataset>/<version>/, the marker last."""
+        prefix = f"{TeamPaths(team).incoming_prefix}{dataset}/{version}/"
         for path in sorted(p for p in Path(source).rglob("*") if p.is_file() and p.name != marker):
             self.s3.upload_file(str(path), self.buckets["data_bucket"], prefix + path.relative_to(source).as_posix())
         self.s3.put_object(Bucket=self.buckets["data_bucket"], Key=prefix + marker, Body=b"")
@@ -219,10 +250,10 @@ class E2EWorld:
             time.sleep(0.5)
         return next(run for run in self.batch.runs if run.job_id == job_id)
 
-    def wait_for_run(self, name: str, timeout_s: float = 1200.0) -> RunResult:
-        """The pipeline execution called `name`, once it has finished."""
+    def wait_for_run(self, name: str, timeout_s: float = 1200.0, team: str | None = None) -> RunResult:
+        """The pipeline execution called `name` (of `team`'s pipeline), once it has finished."""
         deadline = time.monotonic() + timeout_s
-        arn = f"{self.pipeline_arn.replace(':stateMachine:', ':execution:')}:{name}"
+        arn = f"{self.pipeline_arns[team].replace(':stateMachine:', ':execution:')}:{name}"
         while True:
             assert not self.delivery_errors, f"EventBridge could not start the starter: {self.delivery_errors}"
             try:
@@ -249,7 +280,8 @@ class E2EWorld:
                     if record["name"] == state and record["seconds"] is None:
                         record["seconds"] = (event["timestamp"] - entered[state]).total_seconds()
                         break
-        jobs = [r for r in self.batch.runs if r.parameters.get("run_id") == name]  # the run id is the name
+        run_id = TeamPaths(team).run_id(name)  # the execution name, for a team <team>/<name>
+        jobs = [r for r in self.batch.runs if r.parameters.get("run_id") == run_id]
         return RunResult(name=name, arn=arn, status=desc["status"], states=states, jobs=jobs)
 
     def notifications(self) -> list[str]:

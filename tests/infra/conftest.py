@@ -6,6 +6,7 @@ Fixtures for other test files (the orchestration tests use them too):
     dev_config / prod_config    the StageConfig used
     dev_templates / prod_templates  dict[str, assertions.Template], same keys as the stage dict
     template_of(stack)          Template.from_stack for any stack of those apps (cached)
+    teams_app_and_stage / teams_templates   the dev stage with teams search and ads (stack name -> template)
 """
 
 from __future__ import annotations
@@ -71,3 +72,20 @@ def dev_templates(dev_stage) -> dict[str, Template]:
 @pytest.fixture(scope="session")
 def prod_templates(prod_stage) -> dict[str, Template]:
     return {name: _template(stack) for name, stack in prod_stage.items()}
+
+
+@pytest.fixture(scope="session")
+def teams_app_and_stage():
+    """The dev stage with two teams, search and ads (infra_synth.teams_stage_config)."""
+    from infra_synth import teams_stage_config
+
+    return build("dev", config=teams_stage_config())
+
+
+@pytest.fixture(scope="session")
+def teams_templates(teams_app_and_stage) -> dict[str, dict]:
+    """Stack name -> synthesized template of the teams stage."""
+    from infra_synth import template_json
+
+    app, stacks = teams_app_and_stage
+    return {stack.stack_name: template_json(app, stack) for stack in stacks.values()}

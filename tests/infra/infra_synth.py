@@ -31,6 +31,7 @@ from cdk_nag import AwsSolutionsChecks  # noqa: E402
 from pipeline_steps.contract import NEURON_SDK  # noqa: E402
 from stacks.config import StageConfig, get_stage  # noqa: E402
 from stacks.stages import build_stage  # noqa: E402
+from stacks.team_config import TeamConfig  # noqa: E402
 
 TEST_ACCOUNT = "123456789012"
 TEST_IMAGE = NEURON_SDK.training_image
@@ -64,10 +65,30 @@ def stage_config(name: str, *, account: str = TEST_ACCOUNT, region: str | None =
     return cfg
 
 
-def build(name: str, *, nag: bool = True, outdir: str | None = None) -> tuple[cdk.App, dict[str, cdk.Stack]]:
-    """A new App with the stage's stacks (registry image injected), cdk-nag attached."""
+# Two teams sharing the dev stage (tests of teams: IAM evaluation, boot quotas, the e2e quota run).
+TEAM_ROLES = {"search": f"arn:aws:iam::{TEST_ACCOUNT}:role/search-scientists",
+              "ads": f"arn:aws:iam::{TEST_ACCOUNT}:role/ads-engineers"}
+ADMIN_ROLE = f"arn:aws:iam::{TEST_ACCOUNT}:role/platform-oncall"
+
+
+def teams_stage_config(name: str = "dev", **quotas_gib: float) -> StageConfig:
+    """The stage with teams `search` (weight 1, a 20% compute reservation) and `ads` (weight 2),
+    each with its own principal, and an admin principal; `quotas_gib` overrides a team's FSx quota
+    (default 300 GiB each)."""
+    teams = (TeamConfig(name="search", weight=1.0, compute_reservation=20, fsx_quota_gib=quotas_gib.get("search", 300),
+                        principals=(TEAM_ROLES["search"],)),
+             TeamConfig(name="ads", weight=2.0, fsx_quota_gib=quotas_gib.get("ads", 300),
+                        principals=(TEAM_ROLES["ads"],)))
+    return replace(stage_config(name), teams=teams, admin_principals=(ADMIN_ROLE,))
+
+
+def build(name: str, *, nag: bool = True, outdir: str | None = None,
+          config: StageConfig | None = None) -> tuple[cdk.App, dict[str, cdk.Stack]]:
+    """A new App with the stage's stacks (registry image injected), cdk-nag attached; `config`
+    replaces the stage's config (e.g. teams_stage_config())."""
     app = cdk.App(context=cdk_json_context(), outdir=outdir)
-    stacks = build_stage(app, stage_config(name), image_uri=TEST_IMAGE, diagnosis_asset_hash=TEST_DIAGNOSIS_ASSET_HASH)
+    stacks = build_stage(app, config or stage_config(name), image_uri=TEST_IMAGE,
+                         diagnosis_asset_hash=TEST_DIAGNOSIS_ASSET_HASH)
     if nag:
         cdk.Aspects.of(app).add(AwsSolutionsChecks())
     return app, stacks

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from aws_cdk import App, Duration, Environment, Stack
 from aws_cdk import aws_batch as batch
@@ -16,9 +16,10 @@ from aws_cdk import aws_s3 as s3
 from aws_cdk.assertions import Template
 
 from infra_synth import TEST_DIAGNOSIS_ASSET_HASH
-from stacks.constructs.job_definitions import JobDefinitionRef
+from stacks.constructs.job_definitions import JobDefinitionRef, TeamJobs
 from stacks.pipeline_config import PipelineConfig
 from stacks.pipeline_stack import PipelineStack
+from stacks.team_config import TeamConfig
 
 ENV = Environment(account="123456789012", region="us-east-1")
 JOB_DEFINITIONS = ("prepare", "prepare-shards", "prepare-finish", "sanity", "compile", "train", "validate", "embed",
@@ -52,12 +53,21 @@ class StandInDependencies(Stack):
         self.job_log_group = logs.LogGroup(self, "JobLogs", encryption_key=self.key)
 
 
-def build(config: PipelineConfig | None = None) -> tuple[PipelineStack, StandInDependencies]:
+# A team whose pipeline the teams tests add beside the default one (its job definitions: <team>-<step>).
+TEAM = TeamConfig(name="search", fsx_quota_gib=100, principals=(f"arn:aws:iam::{ENV.account}:role/search",))
+
+
+def build(config: PipelineConfig | None = None, team: TeamConfig | None = None
+          ) -> tuple[PipelineStack, StandInDependencies]:
+    """The pipeline stack on the stand-in dependencies: the default team's pipeline, or `team`'s."""
     app = App()
     deps = StandInDependencies(app, "Deps")
+    refs = {step: replace(ref, name=f"{team.name}-{step}") for step, ref in deps.job_definitions.items()} \
+        if team else deps.job_definitions
     stack = PipelineStack(app, "Pipeline", config=config or PipelineConfig(), stage="dev",
-                          data_bucket=deps.data_bucket, artifacts_bucket=deps.artifacts_bucket,
-                          queues=deps.queues, job_definitions=deps.job_definitions, job_log_group=deps.job_log_group,
+                          data_bucket=deps.data_bucket, artifacts_bucket=deps.artifacts_bucket, queues=deps.queues,
+                          teams=[TeamJobs(team, refs, deps.job_log_group)],
+                          canary_job_definition=deps.job_definitions["canary"],
                           instance_types={"training": "trn1.32xlarge", "single-node": "trn1.2xlarge"},
                           max_nodes=MAX_NODES, queue_wait=QUEUE_WAIT, diagnosis_asset_hash=TEST_DIAGNOSIS_ASSET_HASH,
                           env=ENV)
@@ -75,9 +85,10 @@ TEST_CONFIG = PipelineConfig(retry_interval_seconds=1, retry_max_delay_seconds=2
                              startup_minutes=5, stall_timeout_minutes=5, first_heartbeat_minutes=16)
 
 
-@functools.lru_cache(maxsize=1)
-def synthesized() -> "Synthesized":
-    stack, deps = build(TEST_CONFIG)
+@functools.lru_cache(maxsize=2)
+def synthesized(team: TeamConfig | None = None) -> "Synthesized":
+    """The stand-in stage's pipeline (the default team's, or `team`'s), synthesized once."""
+    stack, deps = build(TEST_CONFIG, team)
     return Synthesized(stack=stack, deps=deps, template=Template.from_stack(stack),
                        deps_template=Template.from_stack(deps).to_json())
 

@@ -257,3 +257,45 @@ def test_share_identifiers_are_checked_alike_in_the_compute_and_pipeline_configs
     compute = _accepts(lambda: ComputeConfig(neuron_ami_ids=AMIS, shares=(Share(identifier=identifier, weight=1),)))
     pipeline = _accepts(lambda: PipelineConfig(experiments_share=identifier))
     assert compute == pipeline
+
+
+# ---- teams ------------------------------------------------------------------------------------------
+def _team(**kwargs):
+    from stacks.team_config import TeamConfig
+
+    return TeamConfig(**{"name": "search", "fsx_quota_gib": 100,
+                         "principals": ("arn:aws:iam::123456789012:role/search",), **kwargs})
+
+
+def test_every_team_problem_is_reported_at_once_with_its_fix():
+    teams = (_team(name="Search-ML", weight=0), _team(compute_reservation=120, principals=("search-role",)),
+             _team(name="ads", fsx_quota_gib=5000, principals=()))
+    with pytest.raises(ValueError) as raised:
+        dataclasses.replace(get_stage("dev"), teams=teams, admin_principals=("root",))
+    message = str(raised.value)
+    for expected in ("name 'Search-ML': use 2-24 lowercase letters and digits", "weight=0: Batch accepts",
+                     "compute_reservation=120: a percentage", "principal 'search-role' is not an IAM role ARN",
+                     "ads: principals: name at least one IAM role ARN", "FSx quotas add up to 5200 GiB, more than the "
+                     "file system's 1200 GiB", "admin principal 'root' is not an IAM role ARN"):
+        assert expected in message
+    assert message.count("\n  - ") == 7
+
+
+def test_a_team_is_defined_once():
+    with pytest.raises(ValueError, match="team 'search' is defined 2 times"):
+        dataclasses.replace(get_stage("dev"), teams=(_team(), _team()))
+
+
+def test_a_stage_without_teams_keeps_its_shares_and_one_default_team():
+    dev = get_stage("dev")
+    assert dev.team_list == (None,) and dev.fair_shares == dev.compute.shares
+    assert dev.compute_reservation == dev.compute.compute_reservation
+
+
+def test_teams_are_the_fair_shares_and_the_largest_reservation_wins():
+    cfg = dataclasses.replace(get_stage("dev"), teams=(_team(weight=1, compute_reservation=20),
+                                                       _team(name="ads", weight=3, compute_reservation=5)))
+    assert [(s.identifier, s.weight) for s in cfg.fair_shares] == [("search", 1), ("ads", 3)]
+    assert cfg.compute_reservation == 20
+    assert len({t.project_id for t in cfg.teams}) == 2 and _team().project_id == _team().project_id
+    assert _team(fsx_quota_gib=1.5).fsx_quota_kib == 1572864  # lfs setquota -B takes KiB

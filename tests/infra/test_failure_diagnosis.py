@@ -22,7 +22,7 @@ EXPECTED = {"pipeline_steps/__init__.py", "pipeline_steps/diagnosis/__init__.py"
 def test_the_function_ships_only_the_classifier_and_runs_on_the_standard_library(tmp_path: Path) -> None:
     app = App(outdir=str(tmp_path / "cdk.out"))
     stack = Stack(app, "Asset", env=Environment(account="123456789012", region="us-east-1"))
-    FailureDiagnosis(stack, "Diagnosis", stage="dev", job_log_group=logs.LogGroup(stack, "JobLogs"),
+    FailureDiagnosis(stack, "Diagnosis", stage="dev", job_log_groups=[logs.LogGroup(stack, "JobLogs")],
                      key=kms.Key(stack, "Key"), log_retention_days=30)
     app.synth()
     (asset,) = [p for p in (tmp_path / "cdk.out").iterdir() if p.name.startswith("asset.")]

@@ -1,6 +1,6 @@
 """cfn-lint (zero errors), cdk-nag AwsSolutions (zero unacknowledged findings) and checkov (zero
 failed checks; each skip with its reason in the resource's metadata) on every synthesized template
-of both stages."""
+of both stages, and of the dev stage with two teams."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from aws_cdk.assertions import Annotations, Match
 
-STAGES = ("dev_app_and_stage", "prod_app_and_stage")
+STAGES = ("dev_app_and_stage", "prod_app_and_stage", "teams_app_and_stage")  # teams: the dev stage with two teams
 
 
 @pytest.mark.parametrize("stage_fixture", STAGES)

@@ -107,6 +107,7 @@ class _World:
         self.queue_wait_arn = self.sfn.create_state_machine(
             name="queue-wait", roleArn=ROLE,
             definition=json.dumps(syn.definition("QueueWait", values)))["stateMachineArn"]
+        self.values = values  # logical id (.attribute) -> what the mocked resources resolve it to
         self.alarm_prefix = syn.stack.watchdog.alarm_prefix
         self.job_tags = dict(syn.stack.ownership.tags)
         self.cloudwatch = boto3.client("cloudwatch", region_name=REGION)

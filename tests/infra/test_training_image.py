@@ -169,6 +169,14 @@ def test_main_node_uses_its_own_eth0_address(fake_bin):
     assert out["PIPELINE_RUN_ID"] == "r1"
 
 
+def test_a_teams_run_id_is_its_run_dir_below_the_runs_tree(fake_bin):
+    # Two teams' runs of one name must not share a heartbeat series (the stall alarm's RunId).
+    out = _out(_run(fake_bin, ["validate", "--run-dir", contract.run_path("search/catalog-v1")], {}))
+    assert out["PIPELINE_RUN_ID"] == "search/catalog-v1"
+    out = _out(_run(fake_bin, ["sanity", "--run-dir", "/fsx/canary/latest"], {}))
+    assert out["PIPELINE_RUN_ID"] == "latest"
+
+
 def test_child_node_uses_main_node_address(fake_bin):
     out = _out(_run(fake_bin, ["sanity", "--run-dir", "/fsx/runs/r1"],
                     {"AWS_BATCH_JOB_NUM_NODES": "4", "AWS_BATCH_JOB_NODE_INDEX": "3",
@@ -224,6 +232,7 @@ def test_entrypoint_shell_copies_match_the_contract():
     for name in (contract.NPROC_PER_NODE_ENV, contract.RDZV_TIMEOUT_ENV, contract.RUN_ID_ENV,
                  contract.EXIT_CODE_FILE_ENV):
         assert re.search(rf"\$\{{?{name}\b", code), f"entrypoint.sh no longer reads ${name}"
+    assert f"{contract.FSX_RUNS}/?*)" in code  # the run id is the run dir below this tree
     (torchrun_case,) = re.findall(r"^\s*([a-z |-]+)\)\n\s*if run_torchrun", code, re.M)
     torchrun_steps = {step.strip() for step in torchrun_case.split("|")}
     assert torchrun_steps <= {step.name for step in contract.PIPELINE_STEPS if step.multi_node}, torchrun_steps

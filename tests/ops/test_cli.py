@@ -18,7 +18,7 @@ from moto.stepfunctions.parser.asl.component.state.exec.state_task.service impor
 from botocore.exceptions import ClientError
 
 from moto_batch import patched_moto_batch
-from pipeline_fixtures import ENV
+from pipeline_fixtures import ENV, TEAM, synthesized
 from test_pipeline_execution import ARTIFACTS, DATA, _World
 
 from pipeline_ops import cli
@@ -59,6 +59,7 @@ def world():
         patch_cfn = mock.patch.object(cli.Context, "client", lambda self, name: cloudformation
                                       if name == "cloudformation" else real_client(self, name))
         patch_cfn.start()
+        w.cloudformation = cloudformation
         w.put_gate("run-ok", passed=True)
         w.put_gate("run-rejected", passed=False)
         for name, extra in (("run-ok", ["--nodes", "3"]), ("run-rejected", [])):
@@ -456,3 +457,81 @@ def test_why_of_a_run_that_did_not_fail_says_so(world, capsys):
     assert run_json(capsys, "why", "run-ok") == {"run_id": "run-ok", "status": "SUCCEEDED", "diagnosis": None}
     assert cli.main([*BASE, "why", "run-ok"]) == 0
     assert "nothing to diagnose" in capsys.readouterr().out
+
+
+# ---- a stage with teams: every command acts on one team's pipeline --------------------------------
+@pytest.fixture(scope="module")
+def search(world):
+    """Team search's pipeline beside the default one (the stand-in stage's, synthesized with the
+    team), its job definitions, an upload, and one published run started through the CLI."""
+    syn = synthesized(TEAM)
+    for step in (s.name for s in PIPELINE_STEPS):
+        world.batch.register_job_definition(jobDefinitionName=f"search-{step}", type="container",
+                                            containerProperties={"image": "busybox", "vcpus": 1, "memory": 128,
+                                                                 "command": ["true"]})
+    arn = world.sfn.create_state_machine(name="search-pipeline", roleArn=f"arn:aws:iam::{ENV.account}:role/sfn",
+                                         definition=json.dumps(syn.definition("SearchTrainingPipeline", world.values))
+                                         )["stateMachineArn"]
+    world.cloudformation.stacks["TrnEmbed-dev-Pipeline"]["SearchStateMachineArn"] = arn
+    for key in ("pairs/part-0.jsonl", "_SUCCESS"):
+        world.s3.put_object(Bucket=DATA, Key=f"incoming/search/catalog/v1/{key}", Body=b"{}")
+    world.put_gate("search/run-team", passed=True)
+    assert cli.main([*BASE, "--team", "search", "start", "--data-uri", "incoming/search/catalog/v1/",
+                     "--name", "run-team"]) == 0
+    world.pipeline_arn, default_arn = arn, world.pipeline_arn  # _wait reads the team's executions
+    _wait(world, "run-team")
+    world.pipeline_arn = default_arn
+    return arn
+
+
+def test_a_teams_run_runs_in_its_paths_with_its_share_and_tag_and_publishes_its_own_pointer(world, search, capsys):
+    out = run_json(capsys, "--team", "search", "status", "run-team")
+    assert out["status"] == "SUCCEEDED" and out["team"] == "search"
+    assert out["input"]["data_uri"] == "/fsx/data/incoming/search/catalog/v1" and out["input"]["version"] == "v1"
+    jobs = [s for s in world.hooks.submitted if s["parameters"]["run_id"] == "search/run-team"]
+    assert {job["jobDefinition"] for job in jobs} == {f"search-{step.name}" for step in PIPELINE_STEPS}
+    assert {job["shareIdentifier"] for job in jobs} == {"search"}
+    assert all(job["tags"] == {"pipeline": "Pipeline", "team": "search"} for job in jobs)
+    pointer = json.loads(world.s3.get_object(Bucket=ARTIFACTS, Key="models/search/current.json")["Body"].read())
+    assert pointer["run_id"] == "search/run-team" and pointer["checkpoint"] == "/fsx/runs/search/run-team"
+    assert "models/search/current.json" in " ".join(world.notifications())
+
+
+def test_a_team_cannot_start_a_run_on_another_teams_data_or_share(world, search, capsys):
+    assert cli.main([*BASE, "--team", "search", "start", "--data-uri", "incoming/ads/catalog/v1/"]) == 2
+    assert "use incoming/search/<dataset>/<version>/" in capsys.readouterr().err
+    assert cli.main([*BASE, "--team", "search", "start", "--data-uri", "/fsx/data/incoming/catalog/v1"]) == 2
+    assert "is not team search's data" in capsys.readouterr().err
+    assert cli.main([*BASE, "--team", "search", "start", "--data-uri", "incoming/search/catalog/v1/",
+                     "--share", "production"]) == 2
+    assert "its own share identifier 'search'" in capsys.readouterr().err
+
+
+def test_the_pipeline_refuses_a_teams_run_on_another_teams_paths(world, search):
+    # Starting the execution directly (as the admin could): the input checks keep the team in its paths.
+    desc, visited = world.run(search, "run-team-escape", {
+        "dataset": "catalog", "version": "v1", "data_uri": "/fsx/data/incoming/catalog/v1",
+        "init_from": "/fsx/runs/search/../ads/catalog-v1", "share": "production"})
+    assert desc["status"] == "FAILED" and "InvalidInput" in visited
+    text = " ".join(world.notifications())
+    for fix in ("data_uri: the upload directory /fsx/data/incoming/search/", "init_from: a run directory "
+                "/fsx/runs/search/<run id>", "share: one of the fair-share identifiers of the training queue (search)"):
+        assert fix in text
+
+
+def test_an_unknown_team_is_a_stage_error_that_names_the_teams(world, search, capsys):
+    assert cli.main([*BASE, "--team", "ads", "runs"]) == 4
+    assert "no pipeline for team 'ads': its teams are search" in capsys.readouterr().err
+
+
+def test_buckets_and_cost_per_team(world, search, capsys):
+    out = run_json(capsys, "--team", "search", "buckets")
+    assert out["upload_to"] == f"s3://{DATA}/incoming/search/<dataset>/<version>/"
+    assert out["current_model"] == f"s3://{ARTIFACTS}/models/search/current.json"
+    cost = run_json(capsys, "--offline-prices", "cost", "--max", "50")
+    by_team = {row["team"]: row for row in cost["teams"]}
+    assert set(by_team) == {"default", "search"}
+    assert by_team["search"]["runs"] == len(world.sfn.list_executions(stateMachineArn=search)["executions"])
+    assert by_team["default"]["runs"] >= 3  # run-ok, run-rejected, run-failed and the other tests' runs
+    only = run_json(capsys, "--offline-prices", "--team", "search", "cost")
+    assert [row["team"] for row in only["teams"]] == ["search"]

@@ -149,9 +149,32 @@ def test_every_step_error_line_is_classified_consistently_with_its_exit_code() -
 
 
 def test_the_exit_code_classes_agree_with_the_exit_code_table() -> None:
+    """The step's own codes are the contract's; above 128 a code is 128 + the signal that ended it."""
     for code, name in RULES.exit_codes.items():
-        assert code in {int(c) for c in ExitCode}, code
+        assert code in {int(c) for c in ExitCode} or code > 128, code
         assert RULES.classes[name].retryable == (code == ExitCode.RETRYABLE), (code, name)
+
+
+def test_sigkill_without_a_cause_is_host_memory_unless_batch_stopped_the_job() -> None:
+    quiet = [NodeLog.from_text("main", "step 100 loss 0.41")]
+    assert classify(quiet, exit_code=137).cls == "host_oom"
+    assert classify(quiet, exit_code=137, status_reason="Essential container in task exited").cls == "host_oom"
+    assert classify(quiet, exit_code=137, status_reason="Job attempt duration exceeded timeout").cls == UNKNOWN
+    stalled = ("No training progress heartbeat for 30 minutes, or none within 120 minutes of the job starting "
+               "(stall watchdog)")
+    assert classify(quiet, exit_code=137, status_reason=stalled).cls == "collective_failure"
+    assert classify(quiet, exit_code=137, status_reason="Host EC2 (instance i-0abc) terminated.").cls == \
+        "capacity_or_infrastructure"
+
+
+def test_a_generic_exception_beats_only_symptoms() -> None:
+    own, lost = "tokenizers.TokenizerSchemaError: bad vocab", SYMPTOM
+    logs = [NodeLog("node 0", (lost,), (1.0,)), NodeLog("node 1", (own,), (9.0,))]  # the symptom came first
+    assert (classify(logs).cls, classify(logs).node) == ("user_code_error", "node 1")
+    assert classify([NodeLog("node 0", (own, CAUSE))]).cls == "device_unavailable"
+    assert classify([NodeLog("node 0", (own,))], exit_code=78).cls == "bad_config"
+    for wrapper in ("RuntimeError: boom", "OSError: boom", "ChildFailedError:", "ERROR: boom", "Error: boom"):
+        assert RULES.best_rule(wrapper) is None, wrapper
 
 
 def test_a_real_step_failure_is_diagnosed_by_the_command(tmp_path: Path) -> None:
@@ -312,3 +335,16 @@ def test_the_command_prints_evidence_with_node_and_line(tmp_path: Path) -> None:
 def test_the_command_refuses_what_it_cannot_use(args: list[str], code: int, message: str) -> None:
     result = run_cli("diagnose", *args)
     assert result.returncode == code and message in result.stderr
+
+
+@pytest.mark.parametrize("line", [
+    # A team over its FSx project quota: Lustre refuses the write with EDQUOT (the team's run dir).
+    "OSError: [Errno 122] Disk quota exceeded: '/fsx/runs/search/catalog-v1/checkpoints/step-000000020.pt.tmp'",
+    "RuntimeError: [enforce fail at inline_container.cc:626] . unexpected pos 4096 vs 0: Disk quota exceeded",
+    # The e2e quota stand-in (a tmpfs of the quota's size) refuses it with ENOSPC.
+    "OSError: [Errno 28] No space left on device: '/fsx/runs/search/catalog-v1/prepared/tokenizer.json'",
+])
+def test_a_team_over_its_fsx_quota_is_a_storage_error_no_retry_can_fix(line: str) -> None:
+    diagnosis = classify([NodeLog.from_text("main", f"Traceback (most recent call last):\n{line}")], exit_code=1)
+    assert diagnosis.cls == "storage_error" and not diagnosis.retryable
+    assert "fsx_quota_gib" in diagnosis.suggestion

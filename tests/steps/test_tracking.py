@@ -18,7 +18,7 @@ from pipeline_steps import tracking  # noqa: E402
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
     for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "RANK", "AWS_BATCH_JOB_NODE_INDEX",
-                 "PIPELINE_RUN_ID", "AWS_BATCH_JOB_ID"):
+                 "PIPELINE_RUN_ID", "PIPELINE_TEAM", "AWS_BATCH_JOB_ID"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(tracking, "_warned", False)
 
@@ -218,3 +218,14 @@ def test_a_step_failing_after_streaming_marks_its_streamed_run_failed(tmp_path):
     _, runs = _runs(run_dir)
     (train,) = [r for r in runs if r.info.run_name == "train"]
     assert train.info.status == "FAILED" and train.data.metrics["loss"] == 2.0
+
+
+def test_a_teams_run_and_its_steps_are_tagged_with_the_team(tmp_path, monkeypatch):
+    run_dir = tmp_path / "runs" / "search" / "catalog-v1"
+    run_dir.mkdir(parents=True)
+    monkeypatch.setenv("PIPELINE_TEAM", "search")
+    monkeypatch.setenv("PIPELINE_RUN_ID", "search/catalog-v1")  # what the entrypoint exports for a team's run
+    assert tracking.log_step("prepare", run_dir, params={"preset": "tiny"})
+    _, runs = _runs(run_dir)
+    assert {r.info.run_name: r.data.tags[tracking.TEAM_TAG] for r in runs} == {"search/catalog-v1": "search",
+                                                                               "prepare": "search"}

@@ -1,0 +1,35 @@
+"""The suite runs on parallel workers (`make test`: pytest-xdist, `--dist loadgroup`). A fixture
+wider than a test is built once per worker that needs it, so tests that share an expensive one are
+kept on one worker: the group is the fixture's name for the session fixtures below, the module for
+a module-scoped fixture (each e2e module's moto world and pipeline runs among them). Every other
+test goes to whichever worker is free. Without xdist (a focused `pytest tests/...`) the groups do
+nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+# Session fixtures that take from half a minute (a synthesized stage with its cdk-nag checks) to
+# several minutes (run-local on each backend), in the order a test that uses several is grouped by.
+SHARED_SESSION_FIXTURES = ("tiny_run_local", "dev_app_and_stage", "prod_app_and_stage", "teams_app_and_stage")
+
+
+def share_group(item: pytest.Item) -> str | None:
+    """The xdist group of `item`: its costliest shared fixture's, or None (any worker)."""
+    fixtures = getattr(item, "_fixtureinfo", None)
+    if fixtures is None:
+        return None
+    used = set(item.fixturenames)
+    for name in SHARED_SESSION_FIXTURES:
+        if name in used:
+            return name
+    if any(d.scope == "module" for defs in fixtures.name2fixturedefs.values() for d in defs):
+        return item.nodeid.split("::")[0]
+    return None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        group = share_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
