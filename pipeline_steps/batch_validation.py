@@ -138,7 +138,7 @@ def _within(array: pa.Array, max_chars: int) -> np.ndarray:
 
 def _texts(array: pa.Array, rows: np.ndarray) -> list[str | None]:
     """The whitespace-collapsed texts at `rows` (None stays None), as data._text makes them."""
-    return [None if v is None else " ".join(v.split()) for v in array.take(pa.array(rows)).to_pylist()]
+    return [None if v is None else record_validation.collapse_spaces(v) for v in array.take(pa.array(rows)).to_pylist()]
 
 
 def _numbers(array: pa.Array | None) -> pa.Array | None:
@@ -218,7 +218,7 @@ def _optional_text(value: Any, max_chars: int) -> str | None | bool:
         return None
     if type(value) is not str or len(value) > max_chars:
         return False
-    return " ".join(value.split()) or None
+    return record_validation.collapse_spaces(value) or None
 
 
 def _numeric(value: Any) -> dict[str, float] | None:
@@ -265,7 +265,7 @@ def _inline_product(record: dict, max_chars: int, source: str, line: int) -> rec
     if type(product_id) is not str or type(title) is not str or not product_id or product_id.isspace() \
             or len(product_id) > max_chars or len(title) > max_chars:
         return None
-    title = " ".join(title.split())
+    title = record_validation.collapse_spaces(title)
     description = _optional_text(record.get("description"), max_chars)
     category = _optional_text(record.get("category"), max_chars)
     numeric, categorical = _numeric(record.get("numeric")), _categorical(record.get("categorical"))

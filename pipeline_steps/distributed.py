@@ -241,6 +241,17 @@ def mark_step(world: World) -> None:
         torch_xla.sync()
 
 
+def wait_device(world: World) -> None:
+    """Block until every graph or kernel dispatched to the device has run (XLA runs a graph after
+    `mark_step` returns; CUDA kernels run asynchronously); a no-op on CPU."""
+    if world.is_xla:
+        import torch_xla.core.xla_model as xm
+
+        xm.wait_device_ops()
+    elif world.backend == "cuda":
+        torch.cuda.synchronize()
+
+
 def prepare_model(world: World, model: torch.nn.Module, *, bf16: bool = False) -> torch.nn.Module:
     """Move to the device; wrap in DDP on multi-process eager backends (grad_reduce "ddp")."""
     model = model.to(world.device)

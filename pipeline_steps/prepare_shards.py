@@ -124,7 +124,7 @@ def query_sample(units: Sequence[dict[str, Any]], cfg: DataConfig, product_row: 
                  max_pairs: int = PLAN_SAMPLE_PAIRS) -> list[str]:
     """The training queries the tokenizer learns from: whole units, in an order fixed by a hash of
     their names, until `max_pairs` pair records are read (docs/data.md, "The tokenizer is trained once")."""
-    sample = tokenization.TextSample(preparing.TOKENIZER_SAMPLE // 2)
+    sample = preparing.tokenizer_sample()
     threshold = tokenization.holdout_threshold(cfg.holdout_fraction)
     num_read: Counter = Counter()
     with open(os.devnull, "wb") as sink:  # the shards quarantine these records, with their line numbers
@@ -166,16 +166,16 @@ def plan(args: argparse.Namespace, preset) -> dict[str, Any]:
         units = plan_units(pair_files)
         with atomic_path(quarantine_path) as tmp, open(tmp, "wb") as sink:
             quarantine = preparing.Quarantine(sink)
-            records, num_read = preparing.read_products(product_files, cfg, quarantine)
+            catalog, num_read = preparing.read_products(product_files, cfg, quarantine)
         counts = {"products": preparing.record_counts("products", num_read, quarantine)}
         # The catalog's check here: a bad catalog fails before any array child starts.
         preparing.check_threshold(counts, cfg.max_bad_fraction, quarantine_path, {"products": product_files})
-        product_row = {p.id: i for i, p in enumerate(records)}
+        product_row = {p.id: i for i, p in enumerate(catalog)}
         reuse = args.init_from is not None or args.pretrained is not None
         sample = [] if reuse else query_sample(units, cfg, product_row, args.seed)
         tokenizer, tokenizer_bytes, schema, origin = preparing.tokenizer_and_schema(
-            args.init_from, cfg, records, preparing.SpilledPairs([], 0, 0, 0, sample, set()), args.pretrained, out)
-        products = preparing.build_products(records, tokenizer, schema, cfg)
+            args.init_from, cfg, catalog, preparing.SpilledPairs([], 0, 0, 0, sample, set()), args.pretrained, out)
+        products = preparing.build_products(catalog, tokenizer, schema, cfg)
     except StepError as exc:
         atomic_write_json(args.run_dir / PREPARE_REPORT, {**report, "error": str(exc)})
         raise
@@ -185,7 +185,7 @@ def plan(args: argparse.Namespace, preset) -> dict[str, Any]:
     report.update(product_counts=counts["products"],
                   tokenizer={"source": origin, "sha256": preparing.sha256_bytes(tokenizer_bytes),
                              "vocab_size": tokenizer.get_vocab_size()},
-                  schema_coverage=preparing.schema_coverage(schema, records, products))
+                  schema_coverage=preparing.schema_coverage(schema, catalog, products))
     result = {"format_version": PLAN_FORMAT_VERSION, "units": units, "report": report,
               # With --init-from the schema is the previous model's: pair labels add no classes.
               "schema_fixed": args.init_from is not None,

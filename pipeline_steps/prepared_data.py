@@ -24,8 +24,9 @@ from .fileio import atomic_path, read_json
 class Products:
     ids: list[str]
     titles: list[str]
-    texts: list[str]
-    """title + " " + description: what BM25 indexes and the encoder reads."""
+    texts: Sequence[str] | pa.ChunkedArray
+    """title + " " + description: what BM25 indexes and the encoder reads (`prepare` holds them in
+    one Arrow column)."""
     token_ids: np.ndarray  # int32 [N, max_bucket], 0-padded
     lengths: np.ndarray  # int32 [N]
     numeric: np.ndarray  # float32 [N, F], normalised
@@ -110,7 +111,7 @@ class PreparedData:
 def _list_column(matrix: np.ndarray) -> pa.Array:
     """A [n, w] array as a list<...> column without a Python loop (uniform offsets)."""
     n, width = matrix.shape
-    offsets = pa.array(np.arange(0, (n + 1) * width, width, dtype=np.int32) if n else np.zeros(1, np.int32))
+    offsets = pa.array(np.arange(n + 1, dtype=np.int32) * width)  # width 0: a catalog without numeric features
     return pa.ListArray.from_arrays(offsets, pa.array(np.ascontiguousarray(matrix).reshape(-1)))
 
 
@@ -123,20 +124,26 @@ def _matrix(table: pa.Table, name: str, width: int, dtype: Any, path: Path) -> n
     return values.astype(dtype, copy=False).reshape(len(column), width)
 
 
+PRODUCTS_ROW_GROUP = 16_384
+"""Rows per row group of products.parquet: the Parquet writer holds a row group's encoded columns
+until it is written, so one row group of a catalog of long descriptions added 200+ MB to the peak."""
+
+
 def save_products(path: str | Path, products: Products, arrays: bool = True) -> None:
     """products.parquet and (with `arrays`) the products.<column>.npy training memory-maps, beside it."""
+    texts = products.texts
     table = pa.table({
         "id": pa.array(products.ids, pa.string()),
         "title": pa.array(products.titles, pa.string()),
-        "text": pa.array(products.texts, pa.string()),
-        "token_ids": _list_column(products.token_ids.astype(np.int32)),
-        "length": pa.array(products.lengths.astype(np.int32)),
-        "numeric": _list_column(products.numeric.astype(np.float32)),
-        "categorical": _list_column(products.categorical.astype(np.int64)),
-        "class_id": pa.array(products.class_id.astype(np.int64)),
+        "text": texts if isinstance(texts, pa.ChunkedArray) else pa.array(texts, pa.string()),
+        "token_ids": _list_column(products.token_ids.astype(np.int32, copy=False)),
+        "length": pa.array(products.lengths.astype(np.int32, copy=False)),
+        "numeric": _list_column(products.numeric.astype(np.float32, copy=False)),
+        "categorical": _list_column(products.categorical.astype(np.int64, copy=False)),
+        "class_id": pa.array(products.class_id.astype(np.int64, copy=False)),
     })
     with atomic_path(path) as tmp:
-        pq.write_table(table, tmp)
+        pq.write_table(table, tmp, row_group_size=PRODUCTS_ROW_GROUP)
     for name, dtype in (PRODUCT_ARRAYS if arrays else {}).items():
         with atomic_path(product_array_path(Path(path).parent, name)) as tmp, open(tmp, "wb") as fh:
             np.save(fh, getattr(products, name).astype(dtype, copy=False))
@@ -153,11 +160,11 @@ def pairs_table(queries: pa.Array | Sequence[str], product_ids: pa.Array, pairs:
     return pa.table({
         "query": pa.array(queries, pa.string()),
         "product_id": pa.array(product_ids, pa.string()),
-        "product_index": pa.array(pairs.product_index.astype(np.int64)),
-        "token_ids": _list_column(pairs.token_ids.astype(np.int32)),
-        "length": pa.array(pairs.lengths.astype(np.int32)),
-        "weight": pa.array(pairs.weight.astype(np.float32)),
-        "class_id": pa.array(pairs.class_id.astype(np.int64)),
+        "product_index": pa.array(pairs.product_index.astype(np.int64, copy=False)),
+        "token_ids": _list_column(pairs.token_ids.astype(np.int32, copy=False)),
+        "length": pa.array(pairs.lengths.astype(np.int32, copy=False)),
+        "weight": pa.array(pairs.weight.astype(np.float32, copy=False)),
+        "class_id": pa.array(pairs.class_id.astype(np.int64, copy=False)),
     }, schema=PAIRS_SCHEMA)
 
 

@@ -8,6 +8,7 @@ and formats: docs/data.md, "Outputs"; memory: the catalog plus one chunk of pair
 from __future__ import annotations
 
 import argparse
+import collections.abc
 import contextlib
 import dataclasses
 import gc
@@ -56,6 +57,13 @@ memory is the catalog plus one chunk, whatever the number of pairs."""
 TOKENIZER_SAMPLE = 100_000
 """Distinct texts the tokenizer is trained on at most (half products, half training queries),
 chosen by hash: the same sample whatever the input order or sharding."""
+TOKENIZER_SAMPLE_CHARS = 1 << 24
+"""Characters of each half of the tokenizer's sample at most (the texts with the smallest hashes
+that fit): training time and memory grow with the characters, and 50,000 long descriptions would
+be 100+ million of them (docs/data.md, "Scale")."""
+TEXT_CHUNK = 8192
+"""Rows per chunk of the catalog's text column: a multiple of Parquet's write batch (1,024 rows),
+so products.parquet is the same file as written from one contiguous column."""
 WORK_DIR = "_work"
 """RUN_DIR/prepared/_work/: validated pairs between the validation and the tokenisation pass."""
 
@@ -149,9 +157,32 @@ def _quarantine_batch(kind: str, batch: record_reading.RecordBatch, rejected: li
                        batch.raw_record(r.index).raw_text())
 
 
-def read_products(files: Sequence[Path], cfg: DataConfig, quarantine: Quarantine) -> tuple[list[record_validation.ProductRecord], int]:
+@dataclass
+class Catalog(collections.abc.Sequence):
+    """The valid products (the first of each id), in input order: the records, without their
+    descriptions, and `texts`, each product's title and description as the encoder reads them, in
+    one Arrow column (a catalog's descriptions are most of its bytes: held once, compactly). So a
+    record's `text` is its title only: read `texts`."""
+
+    records: list[record_validation.ProductRecord]
+    texts: pa.ChunkedArray
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index):
+        return self.records[index]
+
+    def text_chunks(self) -> Iterator[list[str]]:
+        """The texts as lists of at most TEXT_CHUNK strings."""
+        return (chunk.to_pylist() for chunk in self.texts.chunks)
+
+
+def read_products(files: Sequence[Path], cfg: DataConfig, quarantine: Quarantine) -> tuple[Catalog, int]:
     """Valid products (first of each id) and the number of records read."""
     products: list[record_validation.ProductRecord] = []
+    chunks: list[pa.Array] = []
+    texts: list[str] = []
     first_seen: dict[str, str] = {}
     num_read = 0
     for batch in record_reading.iter_batches(files):
@@ -163,9 +194,15 @@ def read_products(files: Sequence[Path], cfg: DataConfig, quarantine: Quarantine
                                            f"id {product.id!r} already defined at {first_seen[product.id]}"))
                 continue
             first_seen[product.id] = f"{batch.source}:{batch.lines[i]}"
+            texts.append(product.text)
+            product.description = None  # held in `texts` (Catalog)
             products.append(product)
         _quarantine_batch("products", batch, rejected, quarantine)
-    return products, num_read
+        while len(texts) >= TEXT_CHUNK:
+            chunks.append(pa.array(texts[:TEXT_CHUNK], pa.string()))
+            del texts[:TEXT_CHUNK]
+    chunks.append(pa.array(texts, pa.string()))
+    return Catalog(products, pa.chunked_array(chunks, pa.string())), num_read
 
 
 @dataclass
@@ -276,10 +313,10 @@ def load_previous(init_from: Path) -> tuple[bytes, feature_schema.Schema, str]:
 # Building the outputs
 # ---------------------------------------------------------------------------------------------
 
-def build_products(records: Sequence[record_validation.ProductRecord], tokenizer, schema: feature_schema.Schema, cfg: DataConfig) -> prepared_data.Products:
-    texts = [p.text for p in records]
-    token_ids, lengths = tokenization.encode_texts(tokenizer, texts, max(cfg.length_buckets))
-    return prepared_data.Products(ids=[p.id for p in records], titles=[p.title for p in records], texts=texts,
+def build_products(catalog: Catalog, tokenizer, schema: feature_schema.Schema, cfg: DataConfig) -> prepared_data.Products:
+    records = catalog.records
+    token_ids, lengths = tokenization.encode_texts(tokenizer, catalog.texts, max(cfg.length_buckets))
+    return prepared_data.Products(ids=[p.id for p in records], titles=[p.title for p in records], texts=catalog.texts,
                       token_ids=token_ids, lengths=lengths, numeric=schema.numeric_matrix(records),
                       categorical=schema.categorical_matrix(records),
                       class_id=schema.class_ids([p.category for p in records]))
@@ -299,11 +336,16 @@ class SpilledPairs:
     labels: set[str]
 
 
+def tokenizer_sample() -> tokenization.TextSample:
+    """One half of the tokenizer's training sample (products, or training queries)."""
+    return tokenization.TextSample(TOKENIZER_SAMPLE // 2, TOKENIZER_SAMPLE_CHARS)
+
+
 def spill_pairs(files: Sequence[Path], cfg: DataConfig, product_row: dict[str, int], quarantine: Quarantine,
                 work: Path, seed: int) -> SpilledPairs:
     """Validate the pairs and split them by query, holding one chunk in memory at a time."""
     num_read: Counter = Counter()
-    sample = tokenization.TextSample(TOKENIZER_SAMPLE // 2)
+    sample = tokenizer_sample()
     labels: set[str] = set()
     spilled, num_valid, num_train = [], 0, 0
     threshold = tokenization.holdout_threshold(cfg.holdout_fraction)
@@ -356,18 +398,22 @@ class PairOutputs:
         # Each writer is entered after its atomic path, so it closes before the file is renamed.
         self.writers = {side: stack.enter_context(pq.ParquetWriter(stack.enter_context(atomic_path(
             self.out / f"{side}_pairs.parquet")), prepared_data.PAIRS_SCHEMA)) for side in self.num_rows}
-        self.arrays = {side: {name: np.lib.format.open_memmap(
-            stack.enter_context(atomic_path(prepared_data.pair_array_path(self.out, side, name))), mode="w+",
-            dtype=PAIR_DTYPES[name], shape=(rows, self.query_length) if name == "token_ids" else (rows,))
-            for name in prepared_data.PAIR_ARRAYS} for side, rows in self.num_rows.items()}
+        # Appended through files, not written into memory maps: a map's written pages count in the
+        # process's RSS until it is closed (130+ MB at 1M pairs).
+        self.arrays = {side: {name: stack.enter_context(open(stack.enter_context(atomic_path(
+            prepared_data.pair_array_path(self.out, side, name))), "wb")) for name in prepared_data.PAIR_ARRAYS} for side in self.num_rows}
+        for side, rows in self.num_rows.items():
+            for name, fh in self.arrays[side].items():
+                np.lib.format.write_array_header_1_0(fh, {
+                    "descr": np.lib.format.dtype_to_descr(np.dtype(PAIR_DTYPES[name])), "fortran_order": False,
+                    "shape": (rows, self.query_length) if name == "token_ids" else (rows,)})
         return self
 
     def append(self, side: str, queries: pa.Array | pa.ChunkedArray, pairs: prepared_data.Pairs, keys: np.ndarray) -> None:
         """The next rows of `side`: the tokenised pairs, their query texts and query keys."""
         self.writers[side].write_table(prepared_data.pairs_table(queries, self.product_ids.take(pairs.product_index), pairs))
-        start = self.stats.num[side]
-        for name, array in self.arrays[side].items():
-            array[start:start + len(pairs)] = getattr(pairs, name)
+        for name, fh in self.arrays[side].items():
+            fh.write(np.ascontiguousarray(getattr(pairs, name), dtype=PAIR_DTYPES[name]).data)
         self.stats.num[side] += len(pairs)
         self.stats.keys[side].append(keys)
         self.stats.at_max_length += int((pairs.lengths >= self.query_length).sum())
@@ -375,10 +421,6 @@ class PairOutputs:
             self.stats.train_per_bucket.update(self.product_buckets[pairs.product_index].tolist())
 
     def __exit__(self, *exc) -> bool | None:
-        if exc[0] is None:
-            for arrays in self.arrays.values():
-                for array in arrays.values():
-                    array.flush()
         return self._stack.__exit__(*exc)
 
 
@@ -437,7 +479,7 @@ def sha256_bytes(data: bytes) -> str:
 # ---------------------------------------------------------------------------------------------
 
 def validate_inputs(product_files: Sequence[Path], pair_files: Sequence[Path], cfg: DataConfig, out: Path,
-                    seed: int, report: dict[str, Any]) -> tuple[list[record_validation.ProductRecord], SpilledPairs]:
+                    seed: int, report: dict[str, Any]) -> tuple[Catalog, SpilledPairs]:
     """Read and validate every record, stream the quarantine, spill the valid pairs to out/_work/,
     fill report["counts"], apply the threshold."""
     work = out / WORK_DIR
@@ -446,8 +488,8 @@ def validate_inputs(product_files: Sequence[Path], pair_files: Sequence[Path], c
     quarantine_path = out / "quarantine.jsonl"
     with atomic_path(quarantine_path) as tmp, open(tmp, "wb") as sink, fewer_gc_passes():
         quarantine = Quarantine(sink)
-        products, num_products_read = read_products(product_files, cfg, quarantine)
-        spilled = spill_pairs(pair_files, cfg, {p.id: i for i, p in enumerate(products)}, quarantine, work, seed)
+        catalog, num_products_read = read_products(product_files, cfg, quarantine)
+        spilled = spill_pairs(pair_files, cfg, {p.id: i for i, p in enumerate(catalog)}, quarantine, work, seed)
     counts = {"products": record_counts("products", num_products_read, quarantine),
               "pairs": record_counts("pairs", spilled.num_read, quarantine)}
     report.update(counts=counts, quarantine_file=str(quarantine_path), max_bad_fraction=cfg.max_bad_fraction)
@@ -456,17 +498,17 @@ def validate_inputs(product_files: Sequence[Path], pair_files: Sequence[Path], c
     check_threshold(counts, cfg.max_bad_fraction, quarantine_path, {"products": product_files, "pairs": pair_files})
     if not spilled.num_train:
         raise BadInputError("every query fell into the holdout; provide more distinct queries")
-    return products, spilled
+    return catalog, spilled
 
 
-def tokenizer_and_schema(init_from: Path | None, cfg: DataConfig, products: Sequence[record_validation.ProductRecord],
+def tokenizer_and_schema(init_from: Path | None, cfg: DataConfig, catalog: Catalog,
                          spilled: SpilledPairs, pretrained: Path | None = None, out: Path | None = None):
     """(tokenizer, its exact JSON bytes, schema, origin): reused unchanged from --init-from, taken from
     the --pretrained encoder, else learned from a bounded sample of the catalog and the training queries
     (holdout queries stay unseen)."""
     staged = stage_pretrained(pretrained, out, cfg.max_length, init_from) if out is not None else None
     if staged is not None:
-        return (*staged[:2], feature_schema.Schema.fit(products, spilled.labels), staged[2])
+        return (*staged[:2], feature_schema.Schema.fit(catalog, spilled.labels), staged[2])
     if init_from is not None:
         tokenizer_bytes, schema, origin = load_previous(init_from)
         tokenizer = Tokenizer.from_str(tokenizer_bytes.decode("utf-8"))
@@ -476,10 +518,11 @@ def tokenizer_and_schema(init_from: Path | None, cfg: DataConfig, products: Sequ
             raise BadConfigError(f"the reused tokenizer has {tokenizer.get_vocab_size()} tokens but this preset "
                                  f"embeds only {cfg.vocab_size}; use the previous run's --preset")
         return tokenizer, tokenizer_bytes, schema, origin
-    product_sample = tokenization.TextSample(TOKENIZER_SAMPLE // 2)
-    product_sample.update(p.text for p in products)
+    product_sample = tokenizer_sample()
+    for texts in catalog.text_chunks():
+        product_sample.update(texts)
     tokenizer = tokenization.train_tokenizer(product_sample.texts() + spilled.query_sample, cfg.vocab_size)
-    schema = feature_schema.Schema.fit(products, spilled.labels)
+    schema = feature_schema.Schema.fit(catalog, spilled.labels)
     return tokenizer, tokenizer.to_str(pretty=True).encode("utf-8"), schema, "trained"
 
 
@@ -539,10 +582,10 @@ def prepare(args: argparse.Namespace, preset) -> dict[str, Any]:
         "init_from": str(args.init_from) if args.init_from else None,
     }
     try:
-        product_records, spilled = validate_inputs(product_files, pair_files, cfg, out, args.seed, report)
+        catalog, spilled = validate_inputs(product_files, pair_files, cfg, out, args.seed, report)
         tokenizer, tokenizer_bytes, schema, origin = tokenizer_and_schema(
-            args.init_from, cfg, product_records, spilled, args.pretrained, out)
-        products = build_products(product_records, tokenizer, schema, cfg)
+            args.init_from, cfg, catalog, spilled, args.pretrained, out)
+        products = build_products(catalog, tokenizer, schema, cfg)
     except StepError as exc:
         # The report of a failed run says why, next to the quarantine that explains it.
         atomic_write_json(args.run_dir / PREPARE_REPORT, {**report, "error": str(exc)})
@@ -556,7 +599,7 @@ def prepare(args: argparse.Namespace, preset) -> dict[str, Any]:
     report.update(status="ok", outputs={name: sha256_file(out / name) for name in OUTPUT_NAMES},
                   tokenizer={"source": origin, "sha256": sha256_bytes(tokenizer_bytes),
                              "vocab_size": tokenizer.get_vocab_size()},
-                  schema_coverage=schema_coverage(schema, product_records, products),
+                  schema_coverage=schema_coverage(schema, catalog, products),
                   elapsed_s=round(time.time() - started, 3))
     atomic_write_json(args.run_dir / PREPARE_REPORT, report)
     log.info("prepared %d products, %d train / %d holdout pairs in %s (%.1fs)", len(products), stats.num["train"],

@@ -200,7 +200,7 @@ class JsonlBatches:
         end = self.path.stat().st_size if self.end is None else self.end
         if self.start == 0 and end == 0:
             log.warning("input file %s is empty (0 bytes): it adds no records", self.path)
-        batch = RecordBatch(source, [], [], [])
+        batch, line_no, bom = RecordBatch(source, [], [], []), 0, self.start == 0
         # Binary mode and a per-line parse: one bad byte quarantines one line, not the whole file.
         with open(self.path, "rb") as fh:
             fh.seek(pos)
@@ -208,16 +208,15 @@ class JsonlBatches:
                 if pos >= end:
                     break
                 pos += len(data)
-                self.lines += 1
-                line_no = self.lines
+                line_no += 1
                 data = data.rstrip(b"\r\n")
-                if self.start == 0 and line_no == 1 and data.startswith(_BOM):
-                    data = data[len(_BOM):]
-                if not data.strip():
-                    continue  # blank lines separate nothing and hold no record
+                if bom:
+                    bom, data = False, data.removeprefix(_BOM)
                 try:
                     value = orjson.loads(data)  # validates UTF-8 and rejects lone surrogates itself
                 except orjson.JSONDecodeError as exc:
+                    if not data.strip():
+                        continue  # blank lines separate nothing and hold no record
                     value = _quarantined_line(source, line_no, data, exc)
                 if type(value) is not dict:
                     record = value if isinstance(value, RawRecord) else _parsed(source, line_no, data, value)
@@ -228,8 +227,10 @@ class JsonlBatches:
                 batch.values.append(value)
                 batch.raws.append(data)
                 if len(batch.lines) == self.batch_rows:
+                    self.lines = line_no
                     yield batch
                     batch = RecordBatch(source, [], [], [])
+        self.lines = line_no
         if batch.lines:
             yield batch
 

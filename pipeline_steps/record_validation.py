@@ -62,6 +62,20 @@ def _finite_float(value: Any, name: str) -> float:
     return number
 
 
+_PRINTABLE_ASCII = bytes(range(0x20, 0x7F))
+
+
+def collapse_spaces(text: str) -> str:
+    """`" ".join(text.split())`: words separated by single spaces, none at either end. A long text
+    that already is so (most descriptions) is returned as it is, found by scans that run in C
+    instead of splitting it into words: ASCII without control characters has no whitespace but
+    the space."""
+    if len(text) > 64 and text.isascii() and not text.encode("ascii").translate(None, _PRINTABLE_ASCII) \
+            and "  " not in text and text[0] != " " and text[-1] != " ":
+        return text
+    return " ".join(text.split())
+
+
 def _text(record: dict, name: str, max_chars: int, *, required: bool) -> str | None:
     """A text field, whitespace-collapsed; None when optional and absent/empty."""
     value = record.get(name)
@@ -73,7 +87,7 @@ def _text(record: dict, name: str, max_chars: int, *, required: bool) -> str | N
         raise RecordError("wrong type", f"{name} must be a string, got {type(value).__name__}")
     if len(value) > max_chars:
         raise RecordError("text too long", f"{name} has {len(value)} characters (max_text_chars is {max_chars})")
-    value = " ".join(value.split())
+    value = collapse_spaces(value)
     if not value:
         if required:
             raise RecordError("empty text", f"{name} is empty")

@@ -23,13 +23,15 @@ log = logging.getLogger("pipeline_steps.data")  # one logger for the data layer
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 
-def _continuing_subword_tokens(tokenizer: Tokenizer, texts: Sequence[str], chunk: int = 10_000) -> list[str]:
+def _continuing_subword_tokens(tokenizer: Tokenizer, texts: Sequence[str], chunk: int = 1_000) -> list[str]:
     """"##c" for every character of the normalised `texts` that can occur inside a word, sorted:
     all but whitespace and punctuation, where the BERT pre-tokenizer splits (a character seen only
-    at word starts adds an unused token, which is harmless)."""
-    chars: set[str] = set()
-    for start in range(0, len(texts), chunk):  # normalisation works per character: join a chunk
-        chars.update(tokenizer.normalizer.normalize_str("\n".join(texts[start:start + chunk])))
+    at word starts adds an unused token, which is harmless). The normalizer maps characters one by
+    one, so the characters of the normalised texts are those of their normalised distinct characters."""
+    seen = np.zeros(0x110000, dtype=bool)
+    for start in range(0, len(texts), chunk):  # code points found by numpy, not one Python str per character
+        seen[np.frombuffer("".join(texts[start:start + chunk]).encode("utf-32-le"), dtype=np.uint32)] = True
+    chars = set("".join(tokenizer.normalizer.normalize_str(chr(c)) for c in np.flatnonzero(seen).tolist()))
     inside = (c for c in chars if not c.isspace() and not unicodedata.category(c).startswith("P"))
     return ["##" + c for c in sorted(inside)]
 
@@ -134,25 +136,35 @@ class TextEncoder:
         return _encode_rows(self._tok, distinct, self.max_length)
 
 
-def _encode_rows(tok: Tokenizer, texts: Sequence[str], width: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ids int32 [n, width] 0-padded, lengths int32 [n]) of `texts` as `tok` encodes them (its
-    truncation included), ENCODE_CHUNK texts per call."""
-    ids = np.zeros((len(texts), width), dtype=np.int32)
-    lengths = np.zeros(len(texts), dtype=np.int32)
+def _encode_flat(tok: Tokenizer, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int32 [total] of every text one after the other, lengths int32 [n]) of `texts` as `tok`
+    encodes them (its truncation included), ENCODE_CHUNK texts per call."""
+    flats, lengths = [np.zeros(0, dtype=np.int32)], [np.zeros(0, dtype=np.int32)]
     for start in range(0, len(texts), ENCODE_CHUNK):
         encodings = tok.encode_batch_fast(texts[start:start + ENCODE_CHUNK])  # no character offsets
         id_lists = [e.ids for e in encodings]  # each .ids builds a new Python list: once per encoding
-        chunk_lengths = np.fromiter(map(len, id_lists), dtype=np.int32, count=len(id_lists))
-        flat = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int32, count=int(chunk_lengths.sum()))
-        rows = np.repeat(np.arange(start, start + len(encodings)), chunk_lengths)
-        cols = np.arange(len(flat)) - np.repeat(np.cumsum(chunk_lengths) - chunk_lengths, chunk_lengths)
-        ids[rows, cols] = flat
-        lengths[start:start + len(encodings)] = chunk_lengths
+        lengths.append(np.fromiter(map(len, id_lists), dtype=np.int32, count=len(id_lists)))
+        flats.append(np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int32, count=int(lengths[-1].sum())))
+    return np.concatenate(flats), np.concatenate(lengths)
+
+
+def _encode_rows(tok: Tokenizer, texts: Sequence[str], width: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int32 [n, width] 0-padded, lengths int32 [n]) of `texts` as `tok` encodes them (its
+    truncation included)."""
+    flat, lengths = _encode_flat(tok, texts)
+    ids = np.zeros((len(texts), width), dtype=np.int32)
+    rows = np.repeat(np.arange(len(texts)), lengths)
+    ids[rows, np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)] = flat
     return ids, lengths
 
 
-WORD_CHUNK_CHARS = 1 << 21
-"""Characters of text split into words at a time (bounds the word arrays: ~20 bytes per word)."""
+ENCODE_WORDS = 4096
+"""Distinct words encoded as one text by WordEncoder."""
+WORD_CHUNK_BYTES = 1 << 22
+"""Bytes of text split into words at a time (bounds the word arrays: ~100 bytes per word)."""
+WORD_CACHE_WORDS = 1 << 19
+"""Distinct words a WordEncoder remembers the tokens of (~150 bytes each): the words of a catalog
+repeat across its chunks and calls, so each is tokenised once, not once per chunk."""
 _SPACE_SAFE_NORMALIZERS = frozenset({"NFD", "Lowercase", "StripAccents", "BertNormalizer"})
 """Normalizers that map each character on its own (NFD reorders only combining marks, which a
 space separates), so a space stays a space and nothing crosses it."""
@@ -164,11 +176,16 @@ class WordEncoder:
     for the tokenizers `of` accepts: every stage treats a space as a boundary (normalizers that
     map characters one by one, the BERT pre-tokenizer that splits at whitespace, WordPiece per
     word, added tokens without spaces or stripping), and the post-processor wraps a text in one
-    token before and one after ([CLS] ... [SEP]). Product texts are built from a few templates and
-    a small vocabulary, so this tokenises thousands of distinct words instead of every text."""
+    token before and one after ([CLS] ... [SEP]). The tokens of the first `capacity` distinct
+    words are remembered across chunks and calls (a word's tokens do not depend on its text)."""
 
-    def __init__(self, inner: Tokenizer, max_length: int, first: int, last: int):
+    def __init__(self, inner: Tokenizer, max_length: int, first: int, last: int, capacity: int = WORD_CACHE_WORDS):
         self._inner, self.max_length, self.first, self.last = inner, max_length, first, last
+        self.capacity = capacity
+        self._slot: dict[str, int] = {}  # word -> its index in _start / _count
+        self._tokens = np.zeros(0, dtype=np.int32)  # the remembered words' tokens, one after the other
+        self._start = np.zeros(0, dtype=np.int64)
+        self._count = np.zeros(0, dtype=np.int64)
 
     @classmethod
     def of(cls, tokenizer: Tokenizer, max_length: int) -> WordEncoder | None:
@@ -189,56 +206,112 @@ class WordEncoder:
         first, last = (post["special_tokens"][single[k]["SpecialToken"]["id"]]["ids"] for k in (0, 2))
         if len(first) != 1 or len(last) != 1:
             return None
-        # The words' own tokens, without [CLS]/[SEP], cut at the room a text leaves for them.
+        # The words' own tokens, without [CLS]/[SEP].
         spec.update(post_processor=None, truncation=None, padding=None)
-        inner = Tokenizer.from_str(json.dumps(spec))
-        inner.enable_truncation(max_length=max_length - 2)
-        inner.no_padding()
-        return cls(inner, max_length, first[0], last[0])
+        return cls(Tokenizer.from_str(json.dumps(spec)), max_length, first[0], last[0])
 
-    def __call__(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    def __call__(self, texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
         """(token_ids int32 [n, max_length], lengths int32 [n]), as encode_texts."""
-        ids = np.zeros((len(texts), self.max_length), dtype=np.int32)
-        lengths = np.zeros(len(texts), dtype=np.int32)
-        ends = np.cumsum(np.fromiter(map(len, texts), dtype=np.int64, count=len(texts)) + 1)
+        array = texts if isinstance(texts, (pa.Array, pa.ChunkedArray)) else pa.array(texts, pa.string())
+        ids = np.zeros((len(array), self.max_length), dtype=np.int32)
+        lengths = np.zeros(len(array), dtype=np.int32)
+        ends = np.cumsum(pc.binary_length(array).to_numpy(zero_copy_only=False).astype(np.int64) + 1)
         start = 0
-        while start < len(texts):
-            # At least one text per chunk; then as many as fit in WORD_CHUNK_CHARS.
+        while start < len(array):
+            # At least one text per chunk; then as many as fit in WORD_CHUNK_BYTES.
             before = ends[start - 1] if start else 0
-            stop = max(start + 1, int(np.searchsorted(ends, before + WORD_CHUNK_CHARS, side="right")))
-            self._fill(texts[start:stop], ids[start:stop], lengths[start:stop])
+            stop = max(start + 1, int(np.searchsorted(ends, before + WORD_CHUNK_BYTES, side="right")))
+            chunk = array.slice(start, stop - start)
+            self._fill(chunk.combine_chunks() if isinstance(chunk, pa.ChunkedArray) else chunk,
+                       ids[start:stop], lengths[start:stop])
             start = stop
         return ids, lengths
 
-    def _fill(self, texts: Sequence[str], ids: np.ndarray, lengths: np.ndarray) -> None:
+    def _words(self, distinct: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens, start, count): the tokens of `distinct`[k] are tokens[start[k]:start[k] + count[k]].
+        Remembered words are looked up; the others are tokenised, and remembered while there is room."""
+        slot = np.fromiter((self._slot.get(w, -1) for w in distinct), dtype=np.int64, count=len(distinct))
+        new = np.flatnonzero(slot < 0)
+        tokens, start, count = self._tokens, self._start, self._count
+        if len(new):
+            words = [distinct[i] for i in new]
+            flat, lengths = self._encode_words(words)
+            slot[new] = len(start) + np.arange(len(new))
+            start = np.concatenate([start, len(tokens) + np.cumsum(lengths, dtype=np.int64) - lengths])
+            count = np.concatenate([count, lengths.astype(np.int64)])
+            tokens = np.concatenate([tokens, flat])
+            keep = len(self._start) + min(len(new), self.capacity - len(self._slot))
+            if keep > len(self._start):
+                self._slot.update(zip(words, range(len(self._start), keep)))
+                self._start, self._count = start[:keep], count[:keep]
+                self._tokens = tokens[:int(start[keep - 1] + count[keep - 1])]
+        return tokens, start[slot], count[slot]
+
+    def _encode_words(self, words: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(ids int32 of every word's tokens one after the other, count int32 [n]), each word cut at
+        the room a text leaves for its tokens. ENCODE_WORDS words are joined by spaces into one text
+        per encoding (one Encoding per word costs more than its tokens); the words of a token are
+        found from its character offset, inside its word's span of the joined text."""
         room = self.max_length - 2
-        words = pc.split_pattern(pa.array(texts, pa.string()), " ")  # "" -> [""]: every text has a word
+        batches = [words[i:i + ENCODE_WORDS] for i in range(0, len(words), ENCODE_WORDS)]
+        flats, counts = [np.zeros(0, dtype=np.int32)], [np.zeros(0, dtype=np.int32)]
+        for batch, encoding in zip(batches, self._inner.encode_batch([" ".join(b) for b in batches],
+                                                                     add_special_tokens=False)):
+            ids = np.array(encoding.ids, dtype=np.int32)
+            spans = np.fromiter(map(len, batch), dtype=np.int64, count=len(batch)) + 1
+            offsets = np.array(encoding.offsets, dtype=np.int64).reshape(-1, 2)[:, 0]
+            word = np.searchsorted(np.cumsum(spans) - spans, offsets, side="right") - 1
+            count = np.bincount(word, minlength=len(batch))
+            within = np.arange(len(word)) - (np.cumsum(count) - count)[word]
+            flats.append(ids[within < room])
+            counts.append(np.minimum(count, room).astype(np.int32))
+        return np.concatenate(flats), np.concatenate(counts)
+
+    def _fill(self, texts: pa.Array, ids: np.ndarray, lengths: np.ndarray, whole: bool = False) -> None:
+        room = self.max_length - 2
+        # A word has at least one token (but for rare words, such as a lone accent the normalizer
+        # drops), so a text's first `room` words fill its row: a long description is split no further.
+        # A text with more words whose first `room` do not fill it is encoded again `whole`, below.
+        words = pc.split_pattern(texts, " ", max_splits=None if whole else room)  # "" -> [""]: a word per text
         per_text = pc.list_value_length(words).to_numpy(zero_copy_only=False).astype(np.int64)
-        distinct, word = distinct_texts(words.flatten())
-        word_ids, word_lengths = _encode_rows(self._inner, distinct, room)
-        # One entry per word occurrence, then one per token: where each token lands in its text.
-        occurrence_tokens = word_lengths[word].astype(np.int64)
+        more = (per_text > room) & (not whole)
+        if more.any():
+            words, per_text = pc.list_slice(words, 0, room), np.minimum(per_text, room)
+        distinct, word = distinct_texts(pc.list_flatten(words))
+        tokens, word_start, word_count = self._words(distinct)
+        # One entry per word occurrence: where its first token lands in its text.
+        occurrence_tokens = word_count[word]
         text_of = np.repeat(np.arange(len(texts)), per_text)
         ends = np.cumsum(occurrence_tokens)
         starts = ends - occurrence_tokens
         first_occurrence = np.cumsum(per_text) - per_text
         text_start = starts[first_occurrence]
-        position = starts - text_start[text_of]  # of the occurrence's first token in its text
-        token_of = np.repeat(np.arange(len(word)), occurrence_tokens)
-        within = np.arange(len(token_of)) - starts[token_of]
-        column = position[token_of] + within
-        keep = column < room
-        token_of, within, column = token_of[keep], within[keep], column[keep]
-        ids[text_of[token_of], column + 1] = word_ids[word[token_of], within]
-        lengths[:] = np.minimum(ends[first_occurrence + per_text - 1] - text_start, room) + 2
+        position = starts - text_start[text_of]
+        tokens_per_text = ends[first_occurrence + per_text - 1] - text_start
+        lengths[:] = np.minimum(tokens_per_text, room) + 2
+        # Then one entry per token that fits: truncation drops the rest before it costs anything.
+        inside = np.flatnonzero(position < room)
+        fits = np.minimum(occurrence_tokens[inside], room - position[inside])
+        token_of = np.repeat(inside, fits)
+        within = np.arange(len(token_of)) - np.repeat(np.cumsum(fits) - fits, fits)
+        ids[text_of[token_of], position[token_of] + within + 1] = tokens[word_start[word[token_of]] + within]
         ids[:, 0] = self.first
         ids[np.arange(len(texts)), lengths - 1] = self.last
+        short = np.flatnonzero(more & (tokens_per_text < room))
+        if len(short):
+            again_ids, again_lengths = np.zeros((len(short), self.max_length), dtype=np.int32), np.zeros_like(short)
+            self._fill(texts.take(pa.array(short)), again_ids, again_lengths, whole=True)
+            ids[short], lengths[short] = again_ids, again_lengths
 
 
-def encode_texts(tokenizer: Tokenizer, texts: Sequence[str], max_length: int) -> tuple[np.ndarray, np.ndarray]:
+def encode_texts(tokenizer: Tokenizer, texts: Sequence[str] | pa.Array | pa.ChunkedArray,
+                 max_length: int) -> tuple[np.ndarray, np.ndarray]:
     """Encode `texts` as [CLS] ... [SEP], truncated (keeping [SEP]) and padded with 0 to `max_length`.
-    Returns (token_ids int32 [n, max_length], lengths int32 [n] = real tokens incl. specials)."""
-    return TextEncoder(tokenizer, max_length, capacity=0)(texts)
+    Returns (token_ids int32 [n, max_length], lengths int32 [n] = real tokens incl. specials).
+    By words when the tokenizer allows (no pass over the distinct texts: a catalog's texts hardly
+    repeat, and that pass would hold a second copy of them)."""
+    words = WordEncoder.of(tokenizer, max_length)
+    return words(texts) if words is not None else TextEncoder(tokenizer, max_length, capacity=0)(texts)
 
 
 def normalise_query(text: str) -> str:
@@ -246,9 +319,21 @@ def normalise_query(text: str) -> str:
     lowercase, single spaces."""
     if text.isascii():  # nothing to decompose or drop: the common case, 5x faster
         return " ".join(text.lower().split())
-    decomposed = unicodedata.normalize("NFKD", text)
-    stripped = "".join(c for c in decomposed if not unicodedata.combining(c))
+    stripped = unicodedata.normalize("NFKD", text).translate(_COMBINING_MARKS)
     return " ".join(stripped.lower().split())
+
+
+class _CombiningMarks(dict):
+    """A str.translate table that drops combining marks (accents), filled one code point at a time
+    as texts meet them: a translate runs in C, a per-character Python loop took most of the time of
+    the holdout split of non-ASCII queries."""
+
+    def __missing__(self, code: int) -> int | None:
+        self[code] = None if unicodedata.combining(chr(code)) else code
+        return self[code]
+
+
+_COMBINING_MARKS = _CombiningMarks()
 
 
 def query_keys(queries: Sequence[str], seed: int, cache: dict[str, int] | None = None) -> np.ndarray:
@@ -284,19 +369,19 @@ def holdout_mask(queries: Sequence[str], fraction: float, seed: int) -> np.ndarr
 
 
 class TextSample:
-    """At most `size` distinct texts: those with the smallest hashes. The same sample whatever the
-    order the texts arrive in or how the input is sharded, in bounded memory."""
+    """At most `size` distinct texts: those with the smallest hashes, and of those the first that fit
+    in `max_chars` characters. The same sample whatever the order the texts arrive in or how the
+    input is sharded, in bounded memory."""
 
-    def __init__(self, size: int):
-        self.size = size
+    def __init__(self, size: int, max_chars: int | None = None):
+        self.size, self.max_chars = size, max_chars
         self._hashes = np.zeros(0, dtype=np.uint64)  # of the kept texts, in the order of _texts
         self._texts = np.empty(0, dtype=object)
         self._kept: set[str] = set()
 
     def update(self, texts: Iterable[str]) -> None:
         new = list(set(texts) - self._kept)
-        hashes = np.fromiter((int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big")
-                              for text in new), dtype=np.uint64, count=len(new))
+        hashes = text_hashes(new)
         if len(self._hashes) >= self.size:  # only a hash below the largest kept one can enter
             below = np.flatnonzero(hashes < self._hashes.max())
             new, hashes = [new[i] for i in below], hashes[below]
@@ -315,6 +400,16 @@ class TextSample:
         self._hashes, self._texts = every, texts
 
     def texts(self) -> list[str]:
-        """The sample, in hash order (deterministic)."""
-        ordered = sorted(zip([-h for h in self._hashes.tolist()], self._texts.tolist()), reverse=True)
-        return [text for _, text in ordered]
+        """The sample, in hash order (deterministic), cut at `max_chars` characters."""
+        ordered = [text for _, text in sorted(zip([-h for h in self._hashes.tolist()], self._texts.tolist()),
+                                              reverse=True)]
+        if self.max_chars is not None:
+            fit = np.cumsum(np.fromiter(map(len, ordered), dtype=np.int64, count=len(ordered))) <= self.max_chars
+            ordered = ordered[:int(fit.sum())]
+        return ordered
+
+
+def text_hashes(texts: Sequence[str]) -> np.ndarray:
+    """uint64 [n]: the first 8 bytes of each text's blake2b digest, big-endian."""
+    digests = b"".join([hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest() for text in texts])
+    return np.frombuffer(digests, dtype=">u8").astype(np.uint64)

@@ -7,11 +7,12 @@ import math
 
 import numpy as np
 
-from benchmarks.bench import bench_prepare
+from benchmarks.bench import bench_prepare, bench_prepare_generators
+from benchmarks.catalogs import GENERATORS
 
 
 def test_bench_prepare_measures_a_prepare_process_and_a_rank(tmp_path):
-    result = bench_prepare(tmp_path, 2_000, "tiny")
+    result = bench_prepare(tmp_path, 2_000, "tiny", generators=False)
     assert result["records"] >= 2_000
     for key in ("prepare_records_per_s", "prepare_records_per_cpu_s", "prepare_peak_rss_mb",
                 "train_data_rss_mb_per_rank", "train_data_node_rss_growth"):
@@ -29,6 +30,18 @@ def test_bench_prepare_measures_a_prepare_process_and_a_rank(tmp_path):
     assert result["prepare_sharded_peak_rss_mb"] == max(p["peak_rss_mb"] for p in phases.values())
     assert result["prepare_sharded_identical"] is True
     assert (tmp_path / "prepare-sharded-run" / "prepared" / "prepare.json").is_file()
+
+
+def test_bench_prepare_measures_each_generator_s_upload_in_its_own_process(tmp_path):
+    result = bench_prepare_generators(tmp_path, 1_000, "tiny")
+    assert set(result["prepare_generators"]) == set(GENERATORS)
+    for name, measured in result["prepare_generators"].items():
+        assert measured["records"] >= 1_000, name
+        for key in ("records_per_s", "records_per_cpu_s", "peak_rss_mb", "wall_s", "cpu_s"):
+            assert isinstance(measured[key], float) and math.isfinite(measured[key]) and measured[key] > 0, (name, key)
+    assert result["prepare_generators_records_per_s"] == min(g["records_per_s"] for g in result["prepare_generators"].values())
+    assert result["prepare_generators_peak_rss_mb"] == max(g["peak_rss_mb"] for g in result["prepare_generators"].values())
+    assert list(tmp_path.iterdir()) == []  # each upload and run dir deleted once measured
 
 
 def test_the_measured_peak_rss_is_the_child_s_own_not_the_parent_s():

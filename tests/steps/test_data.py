@@ -222,6 +222,32 @@ def test_every_rank_memory_maps_the_catalog_instead_of_copying_it(prepared):
     assert len(products) == len(from_parquet.ids)
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.text(st.characters(codec="utf-8"), max_size=80)
+       | st.text(st.sampled_from("ab ~!\t\n\x0b\x1c\x1f\x7f\u00a0\u00e9"), max_size=300))
+def test_collapsing_spaces_is_splitting_and_joining(text):
+    """Texts are whitespace-collapsed as str.split() and a join give them; the shortcut for long
+    texts that need nothing (most descriptions) changes no text."""
+    assert record_validation.collapse_spaces(text) == " ".join(text.split())
+
+
+def test_a_text_sample_keeps_the_smallest_hashes_that_fit_its_character_budget():
+    """The tokenizer's sample is bounded in texts and in characters: the texts with the smallest
+    hashes, in hash order, as many as fit; the same whatever order the texts arrive in."""
+    texts = [f"text {i} " + "x" * (i % 13) for i in range(300)]
+    unbounded = tokenization.TextSample(60)
+    unbounded.update(texts)
+    smallest = unbounded.texts()
+    budget = sum(map(len, smallest)) // 2
+    fit = [t for k, t in enumerate(smallest) if sum(map(len, smallest[:k + 1])) <= budget]
+    for order in (texts, texts[::-1]):
+        bounded = tokenization.TextSample(60, max_chars=budget)
+        for start in range(0, len(order), 70):
+            bounded.update(order[start:start + 70])
+        assert bounded.texts() == fit
+    assert 0 < len(fit) < len(smallest) == 60
+
+
 def test_a_text_encoder_remembers_texts_across_calls_without_changing_their_rows():
     tokenizer = tokenization.train_tokenizer(["grey sofa", "oak table", "blue lamp"] * 3, 64)
     calls = [["grey sofa", "oak table", "grey sofa"], ["oak table", "blue lamp", "red chair"], ["grey sofa"]]
@@ -260,6 +286,26 @@ def test_encoding_by_words_gives_the_rows_of_encoding_whole_texts(texts, max_len
     got, expected = encoder._words(texts), tokenization._encode_rows(encoder._tok, texts, max_length)
     np.testing.assert_array_equal(got[0], expected[0])
     np.testing.assert_array_equal(got[1], expected[1])
+
+
+def test_encoding_by_words_remembers_words_across_chunks_and_calls(monkeypatch):
+    """Words seen in an earlier chunk or call keep their tokens (up to the cache's capacity), and
+    the rows stay those of encoding whole texts, whatever the chunking."""
+    monkeypatch.setattr(tokenization, "WORD_CHUNK_BYTES", 24)  # a few texts per chunk
+    monkeypatch.setattr(tokenization, "ENCODE_WORDS", 3)  # several encodings of joined words per chunk
+    tokenizer = _word_test_tokenizer(bert_normalizer=False)
+    texts = ["grey sofa", "caf\u00e9 cr\u00e8me, oak table", "grey oak", "blue lamp! grey sofa", "",
+             " ".join(["oak"] * 30), "x" * 120, "[CLS] sofa  \u00a0grey",
+             " ".join(["\u0301"] * 9 + ["grey", "sofa"])]  # the first words have no token: read on
+    whole = tokenization.TextEncoder(tokenizer, 8, capacity=0)._tok
+    for capacity in (0, 3, 1000):
+        words = tokenization.WordEncoder.of(tokenizer, 8)
+        words.capacity = capacity
+        for call in (texts, texts[::-1], texts[2:5]):
+            got, expected = words(call), tokenization._encode_rows(whole, call, 8)
+            np.testing.assert_array_equal(got[0], expected[0])
+            np.testing.assert_array_equal(got[1], expected[1])
+        assert len(words._slot) == min(capacity, len({w for text in texts for w in text.split(" ")}))
 
 
 def test_a_tokenizer_whose_words_can_span_spaces_is_encoded_whole():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline_steps import feature_schema, prepared_data, record_reading, tokenization
+from pipeline_steps import feature_schema, prepared_data, record_reading, record_validation, tokenization
 from pipeline_steps.__main__ import main as cli
 from pipeline_steps.demo_data import generate
 from pipeline_steps.errors import BadInputError, ExitCode
@@ -292,3 +293,129 @@ def test_prepare_never_imports_torch(tmp_path):
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_catalog_texts_are_chunked_without_changing_the_result(tmp_path, monkeypatch):
+    """The catalog's texts are held in Arrow chunks of TEXT_CHUNK rows, a multiple of Parquet's
+    write batch, with bad records among them: products.parquet is the file one contiguous column
+    gives (chunks of another size cut its pages elsewhere)."""
+    from pipeline_steps import preparing
+
+    products, pairs = generate(2600, 1, seed=0)
+    for i, record in enumerate(products):  # 2.6 MB of text: more than one Parquet data page
+        record["description"] = f"{record.get('description', '')} item {i} " + "long description " * 55
+    data = tmp_path / "upload"
+    (data / "products").mkdir(parents=True)
+    lines = [json.dumps(r) for r in products]
+    lines[700:700] = ['{"id": "bad", "title": 42}', "not json"]  # the chunks are not cut at batch edges
+    (data / "products" / "part-00000.jsonl").write_text("\n".join(lines) + "\n")
+    pq.write_table(pa.Table.from_pylist(pairs), data / "pairs.parquet")
+    monkeypatch.setattr(preparing, "TEXT_CHUNK", 1 << 20)
+    assert _prepare(tmp_path / "whole", "--data", str(data)) == 0
+    monkeypatch.setattr(preparing, "TEXT_CHUNK", 1024)
+    assert _prepare(tmp_path / "chunked", "--data", str(data)) == 0
+    names = sorted(p.name for p in (tmp_path / "whole" / "prepared").iterdir() if p.name != "prepare.json")
+    assert "products.parquet" in names
+    for name in names:
+        assert (tmp_path / "chunked" / "prepared" / name).read_bytes() == (tmp_path / "whole" / "prepared" / name).read_bytes()
+
+
+def test_a_catalog_without_numeric_or_categorical_features_is_prepared(tmp_path):
+    products, pairs = generate(120, 3, seed=0)
+    for record in products:
+        del record["numeric"], record["categorical"]
+    for kind, records in (("products", products), ("pairs", pairs)):
+        (tmp_path / f"{kind}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    run = tmp_path / "run"
+    assert _prepare(run, "--products", str(tmp_path / "products.jsonl"), "--pairs", str(tmp_path / "pairs.jsonl")) == 0
+    assert read_json(run / "prepared" / "prepare.json")["schema"] == {"numeric": 0, "categorical": [],
+                                                                    "classes": len({p["category"] for p in products})}
+    assert prepared_data.load_prepared(run).products.numeric.shape == (120, 0)
+
+
+def _split_and_join(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _normalise_query_per_character(text: str) -> str:
+    import unicodedata
+
+    decomposed = unicodedata.normalize("NFKD", text)
+    return " ".join("".join(c for c in decomposed if not unicodedata.combining(c)).lower().split())
+
+
+def _continuing_subwords_of_whole_texts(tokenizer, texts, chunk: int = 10_000) -> list[str]:
+    import unicodedata
+
+    chars: set[str] = set()
+    for start in range(0, len(texts), chunk):
+        chars.update(tokenizer.normalizer.normalize_str("\n".join(texts[start:start + chunk])))
+    inside = (c for c in chars if not c.isspace() and not unicodedata.category(c).startswith("P"))
+    return ["##" + c for c in sorted(inside)]
+
+
+ODD_TEXTS = ["tab\there", "line\nbreak\r\n", "vt\x0bff\x0c", "fs\x1cgs\x1drs\x1eus\x1f", "del\x7fete",
+             "nb\u00a0sp", "em\u2003space\u3000ideo", "zero\u200bwidth", "caf\u00e9 cre\u0301me", "\u0301 \u0308 \u0327",
+             "\u039f\u0394\u039f\u03a3 \u03a3\u039f\u03a6\u0391\u03a3", "\u5317\u4eac\u4e1c\u897f",
+             "sofa \U0001F6CB\u2615", "\u0434\u0438\u0432\u0430\u043d", "  lead and trail  ", "\ufb01ne ligature",
+             "\u0130stanbul"]
+
+
+def test_prepare_gives_the_same_files_as_the_plain_implementations_on_odd_text(tmp_path, monkeypatch):
+    """Whitespace collapsing, encoding by words (with its cache and its cut of long texts), the
+    accent-stripping of queries and the tokenizer's seed characters all have fast paths: on text with
+    every kind of whitespace, control characters, accents, scripts and long descriptions, prepare
+    writes the same files as with the plain implementations (split and join, whole-text encoding,
+    per-character loops)."""
+    products, pairs = generate(150, 4, seed=1)
+    rng = random.Random(0)
+    for i, record in enumerate(products):
+        odd = [rng.choice(ODD_TEXTS) for _ in range(3)]
+        record["title"] = f"{odd[0]} {record['title']}"
+        lead = "\u0301 " * 40 if i % 7 == 0 else ""  # first words without a token: the row reads on
+        record["description"] = lead + f" {odd[1]} ".join([record.get("description", "")] * (1 + i % 6)) + odd[2]
+    for i, pair in enumerate(pairs):
+        pair["query"] = f"{pair['query']} {ODD_TEXTS[i % len(ODD_TEXTS)]}"
+    data = tmp_path / "upload"
+    for kind, records in (("products", products), ("pairs", pairs)):
+        (data / kind).mkdir(parents=True)
+        (data / kind / "part-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert _prepare(tmp_path / "fast", "--data", str(data)) == 0
+    monkeypatch.setattr(record_validation, "collapse_spaces", _split_and_join)
+    monkeypatch.setattr(tokenization.WordEncoder, "of", classmethod(lambda cls, tokenizer, max_length: None))
+    monkeypatch.setattr(tokenization, "normalise_query", _normalise_query_per_character)
+    monkeypatch.setattr(tokenization, "_continuing_subword_tokens", _continuing_subwords_of_whole_texts)
+    assert _prepare(tmp_path / "plain", "--data", str(data)) == 0
+    fast, plain = tmp_path / "fast" / "prepared", tmp_path / "plain" / "prepared"
+    names = sorted(p.name for p in fast.iterdir() if p.is_file() and p.name != "prepare.json")
+    assert {"products.parquet", "tokenizer.json"} <= set(names)
+    assert names == sorted(p.name for p in plain.iterdir() if p.is_file() and p.name != "prepare.json")
+    for name in names:
+        assert (fast / name).read_bytes() == (plain / name).read_bytes(), name
+
+
+def test_the_tokenizer_learns_from_a_sample_bounded_in_characters(tmp_path, monkeypatch):
+    """Long descriptions do not make the tokenizer's training grow with the catalog: each half of its
+    sample (products, training queries) holds at most TOKENIZER_SAMPLE_CHARS characters."""
+    from pipeline_steps import preparing
+
+    products, pairs = generate(300, 3, seed=0)
+    for record in products:
+        record["description"] = f"{record.get('description', '')} " * 20
+    data = tmp_path / "upload"
+    for kind, records in (("products", products), ("pairs", pairs)):
+        (data / kind).mkdir(parents=True)
+        (data / kind / "part-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    learned: list[list[str]] = []
+    train_tokenizer = tokenization.train_tokenizer
+    monkeypatch.setattr(tokenization, "train_tokenizer",
+                        lambda texts, size: learned.append(texts) or train_tokenizer(texts, size))
+    monkeypatch.setattr(preparing, "TOKENIZER_SAMPLE_CHARS", 5_000)
+    assert _prepare(tmp_path / "run", "--data", str(data)) == 0
+    texts = {record_validation.collapse_spaces(f"{p['title']} {p.get('description', '')}") for p in products}
+    sampled_products = [t for t in learned[0] if t in texts]
+    sampled_queries = [t for t in learned[0] if t not in texts]
+    assert 0 < sum(map(len, sampled_products)) <= 5_000 < sum(map(len, texts))
+    queries = {p["query"] for p in pairs}
+    assert 0 < sum(map(len, sampled_queries)) <= 5_000 < sum(map(len, queries))
+    assert len(sampled_products) < len(products)
