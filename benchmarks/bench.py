@@ -1,40 +1,15 @@
-"""The benchmark: throughput as ratios that hold on any machine.
+"""The benchmark: throughput as ratios that hold on any machine (every key: benchmarks/README.md).
 
-Measures, in one process, against a well-known peer and against this machine's own matmul ceiling:
-  train     tokens/s and achieved FLOP/s of one training step (pipeline_steps.trainer.Trainer.train_step)
-            per preset and backend (XLA also with --bf16: xla_bf16, bf16_vs_fp32 = its speed / fp32
-            XLA's in the same rounds); mfu_vs_ceiling = achieved FLOP/s / a large fp32 GEMM's FLOP/s;
-            train_ratio_vs_peer = our tokens/s / Hugging Face BertModel's with the same shape, batch,
-            sequence lengths, AdamW, grad clipping and in-batch contrastive loss on mean-pooled outputs.
-            host_s_per_step = seconds each train_step call holds the host (on XLA: tracing + dispatch;
-            xla_* keys repeat the first XLA preset's numbers).
-  xla       graphs compiled in a full local training run (tiny preset) and compiles after warm-up.
-  loader    batches/s TrainBatches produces / batches/s the train step consumes = loader_headroom.
-  embed     embeddings/s of the embed step's path (tokenise + inference.embed_products on a checkpoint
-            loaded by inference.load_for_inference) / sentence-transformers `encode` on a BertModel of the
-            same shape, same texts, same batch size = embed_ratio_vs_peer; every preset on every
-            backend. embed mfu_vs_ceiling = FLOP/s on real (unpadded) tokens / the GEMM ceiling, same rounds.
-  checkpoint  checkpoint.save / checkpoint.load seconds per GB on a base-size state (model + AdamW).
-  prepare   `prepare` of a generated 1M-record JSON Lines upload in its own process: records/s and
-            its own peak RSS (prepare_records_per_s, prepare_peak_rss_mb); then the RSS each training
-            rank adds privately by loading that prepared data, with 1 and with 2 ranks under torchrun
-            (train_data_rss_mb_per_rank at 2 ranks; train_data_node_rss_growth = the node's data RSS
-            with 2 ranks / with 1 rank); then the same upload as an array job (plan, 2 shard children
-            one after the other, finish), each phase's wall and peak RSS (prepare_sharded), the largest
-            peak (prepare_sharded_peak_rss_mb), and whether its data files equal the single prepare's
-            (prepare_sharded_identical).
+Measures, in one process, this project's train step, loader, embedding path, checkpoints and prepare
+against a well-known peer (Hugging Face BertModel, eager and traced on XLA; sentence-transformers) and
+this machine's own GEMM ceiling. Warm-up first; then `repeats` rounds in which every side runs back
+to back, in alternating order; each ratio is taken within a round and the median over rounds is
+reported, so other jobs on the machine move both sides of a ratio together. Tests never time.
 
-Method: warm-up first; then `repeats` rounds in which ours and the peer (and the GEMM ceiling) run
-back to back, in alternating order; every ratio is taken within a round and the median over rounds
-is reported, so a noisy machine (other jobs) moves both sides of a ratio together. Timings never
-appear in tests; tests/benchmarks/test_bench.py only checks that the command runs and writes its keys.
-
-Local (from a checkout, with the `bench` extra: the peers' libraries are not in the package):
+Local (from a checkout, with the `bench` extra):
         python -m benchmarks.bench --quick --out bench.json          (make bench; a few minutes)
-        python -m benchmarks.bench --out bench.json                  (small + base, cpu + xla)
         python -m benchmarks.bench --presets tiny --backends cpu --quick   (the smoke test)
         python -m benchmarks.bench --prepare-only --presets base --prepare-records 1100000
-Reading the numbers: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -441,15 +416,31 @@ def embed_num_texts(preset: str, quick: bool) -> int:
     return 512 if quick else 2048
 
 
+def _embed_peer(trainer, work: Path, texts: list[str], max_length: int, eager: str) -> Callable[[], np.ndarray]:
+    """The peer's embedding call: SentenceTransformer(Transformer + mean Pooling) over a BERT of our
+    encoder's shape and tokenizer, on the eager device."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.models import Pooling, Transformer
+
+    cfg = trainer.model_cfg
+    peer_dir = _peer_encoder_dir(cfg, trainer.prepared.tokenizer_path, work / f"peer-encoder-{trainer.preset}")
+    transformer = Transformer(str(peer_dir), max_seq_length=max_length)
+    peer_model = SentenceTransformer(modules=[transformer, Pooling(cfg.hidden_size, pooling_mode="mean")],
+                                     device=eager)
+
+    def peer() -> np.ndarray:
+        return peer_model.encode(texts, batch_size=EMBED_BATCH_SIZE, normalize_embeddings=True,
+                                 convert_to_numpy=True, show_progress_bar=False)
+
+    return peer
+
+
 def bench_embed(trainer, work: Path, *, num_texts: int, repeats: int, backends: list[str], eager: str,
                 ceiling: Callable[[], float]) -> dict[str, Any]:
     """Ours, per backend: tokenise (as prepare does) + inference.embed_products on the checkpoint loaded
     by inference.load_for_inference. Peer: SentenceTransformer(Transformer + mean Pooling).encode with
     normalize_embeddings, on the eager device. Same texts, same batch size. The GEMM ceiling runs in
     the same rounds, so mfu_vs_ceiling = achieved FLOP/s on real tokens / the ceiling's FLOP/s."""
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.models import Pooling, Transformer
-
     from pipeline_steps.inference import embed_products, load_for_inference
 
     ckpt_dir = work / f"embed-checkpoint-{trainer.preset}"
@@ -473,15 +464,7 @@ def bench_embed(trainer, work: Path, *, num_texts: int, repeats: int, backends: 
 
         return run
 
-    peer_dir = _peer_encoder_dir(cfg, prepared.tokenizer_path, work / f"peer-encoder-{trainer.preset}")
-    transformer = Transformer(str(peer_dir), max_seq_length=max(buckets))
-    peer_model = SentenceTransformer(modules=[transformer, Pooling(cfg.hidden_size, pooling_mode="mean")],
-                                     device=eager)
-
-    def peer() -> np.ndarray:
-        return peer_model.encode(texts, batch_size=EMBED_BATCH_SIZE, normalize_embeddings=True,
-                                 convert_to_numpy=True, show_progress_bar=False)
-
+    peer = _embed_peer(trainer, work, texts, max(buckets), eager)
     fns: dict[str, Callable[[], Any]] = {"ceiling": ceiling, **{b: ours(b) for b in backends}, "peer": peer}
     # XLA: the first warm-up round compiles one forward graph per length bucket.
     times = alternate(fns, repeats=repeats, warmup=2 if "xla" in backends else 1)
@@ -767,19 +750,42 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for p in presets:
         get_preset(p)
     repeats = args.repeats or (3 if args.quick else 5)
-    notes: list[str] = []
     work = Path(tempfile.mkdtemp(prefix="bench-", dir=args.work_dir))
     result: dict[str, Any] = {"quick": args.quick, "repeats": repeats,
-                              "machine": machine_info(torch.get_num_threads()), "train": {}, "notes": notes}
+                              "machine": machine_info(torch.get_num_threads()), "train": {}, "notes": []}
     ceilings = {b: gemm_ceiling(dist_lib.init(b), CEILING_GEMM_N) for b in dict.fromkeys([eager, *backends])}
-    ceiling = ceilings[eager]
+    trainers, step_s = _run_train_section(args, work, presets, backends, eager, repeats, ceilings, result)
+    _train_headlines(result, presets[-1], eager)  # the largest preset measured (base when present)
+    # ---- loader headroom against the fastest step of the smallest preset (the hardest case)
+    loader = {p: bench_loader(next(iter(trainers[p].values())), step_s[p]) for p in presets}
+    result["loader"] = loader
+    result["loader_headroom"] = min(v["loader_headroom"] for v in loader.values())
+    _run_xla_section(work, backends, result)
+    _run_embed_section(args, work, presets, backends, eager, repeats, ceilings[eager], trainers, result)
+    # ---- checkpoints on the largest preset's state
+    result["checkpoint"] = bench_checkpoint(next(iter(trainers[presets[-1]].values())), work, repeats=repeats)
+    result["checkpoint_save_s_per_gb"] = result["checkpoint"]["checkpoint_save_s_per_gb"]
+    result["checkpoint_load_s_per_gb"] = result["checkpoint"]["checkpoint_load_s_per_gb"]
+    # ---- data at scale: prepare of a generated JSON Lines upload, and one rank's data memory
+    _run_prepare_section(args, work, presets[-1], result)
+    if not args.keep_work:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def _run_train_section(args: argparse.Namespace, work: Path, presets: list[str], backends: list[str], eager: str,
+                       repeats: int, ceilings: dict[str, Callable[[], float]], result: dict[str, Any],
+                       ) -> tuple[dict[str, Any], dict[str, float]]:
+    """The training step of every preset on every backend: (trainers by preset, fastest step by preset)."""
     step_s: dict[str, float] = {}
     trainers: dict[str, Any] = {}
     for preset in presets:
         shape = train_shape(preset, args.quick)
         if shape != train_shape(preset, quick=False):
-            notes.append(f"quick: {preset} at a reduced shape batch {shape.batch}, query {shape.query_length}, "
-                         f"doc {shape.doc_length} tokens")
+            result["notes"].append(f"quick: {preset} at a reduced shape batch {shape.batch}, query "
+                                   f"{shape.query_length}, doc {shape.doc_length} tokens")
         # One step per timed call: >= 0.1 s everywhere but tiny, and rounds stay short.
         steps = 3 if preset == "tiny" else 1
         log.info("bench train %s %s %s", preset, backends, shape)
@@ -788,9 +794,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["train"][preset] = res
         trainers[preset] = by_backend
         step_s[preset] = min(r["step_s"] for r in res["backends"].values())
+    return trainers, step_s
 
-    # ---- headline ratios: the largest preset measured (base when present)
-    headline = presets[-1]
+
+def _train_headlines(result: dict[str, Any], headline: str, eager: str) -> None:
+    """The headline ratios: `headline`'s on the eager device; XLA's from the first preset measured on it."""
     head = result["train"][headline]["backends"]
     result["train_ratio_vs_peer"] = head[eager]["train_ratio_vs_peer"] if eager in head else \
         max(r["train_ratio_vs_peer"] for r in head.values())
@@ -809,12 +817,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["xla_bf16_vs_fp32"] = xla_bf16.get("bf16_vs_fp32")
     result.update(_xla_peer_headline(result["train"], on_xla))
 
-    # ---- loader headroom against the fastest step of the smallest preset (the hardest case)
-    loader = {p: bench_loader(next(iter(trainers[p].values())), step_s[p]) for p in presets}
-    result["loader"] = loader
-    result["loader_headroom"] = min(v["loader_headroom"] for v in loader.values())
 
-    # ---- XLA graphs
+def _run_xla_section(work: Path, backends: list[str], result: dict[str, Any]) -> None:
+    """The XLA graphs of a full local training run (when XLA is measured)."""
     if "xla" in backends:
         log.info("bench xla: full local training run of the %s demo", XLA_RUN_PRESET)
         xla_run = bench_xla_run(work)
@@ -824,8 +829,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         result["graphs_compiled"] = result["compiles_after_warmup"] = None
 
-    # ---- embedding inference, every preset on every backend; the headline is the first preset
-    # (small in the default list) on the eager device
+
+def _run_embed_section(args: argparse.Namespace, work: Path, presets: list[str], backends: list[str], eager: str,
+                       repeats: int, ceiling: Callable[[], float], trainers: dict[str, Any],
+                       result: dict[str, Any]) -> None:
+    """Embedding inference, every preset on every backend; the headline is the first preset (small in
+    the default list) on the eager device."""
     result["embed_by_preset"] = {}
     for preset in presets:
         log.info("bench embed %s %s", preset, backends)
@@ -837,18 +846,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     head_embed = result["embed"]["backends"][eager if eager in backends else backends[0]]
     result["embed_ratio_vs_peer"] = head_embed["embed_ratio_vs_peer"]
     result["embed_mfu_vs_ceiling"] = head_embed["mfu_vs_ceiling"]
-
-    # ---- checkpoints on the largest preset's state
-    result["checkpoint"] = bench_checkpoint(next(iter(trainers[headline].values())), work, repeats=repeats)
-    result["checkpoint_save_s_per_gb"] = result["checkpoint"]["checkpoint_save_s_per_gb"]
-    result["checkpoint_load_s_per_gb"] = result["checkpoint"]["checkpoint_load_s_per_gb"]
-    # ---- data at scale: prepare of a generated JSON Lines upload, and one rank's data memory
-    _run_prepare_section(args, work, headline, result)
-    if not args.keep_work:
-        import shutil
-
-        shutil.rmtree(work, ignore_errors=True)
-    return result
 
 
 def _run_prepare_section(args: argparse.Namespace, work: Path, preset: str, result: dict[str, Any]) -> None:

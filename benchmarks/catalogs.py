@@ -8,9 +8,7 @@ OUT/products/part-*.jsonl and OUT/pairs/part-*.jsonl, 8 shards each, determinist
   long-descriptions  descriptions of 120-300 words (1-3 KB of text per product)
   large-vocabulary   words drawn (skewed) from 500,000 distinct words, in products and queries
   distinct-queries   every query distinct: words, model numbers and sizes (no query repeats)
-  non-ascii          Latin with accents, Cyrillic, Greek, CJK and emoji in titles, descriptions,
-                     brands and queries
-
+  non-ascii          Latin with accents, Cyrillic, Greek, CJK and emoji in every text field
 Words are made of syllables by numpy and joined by Arrow, so a million records take seconds.
 """
 
