@@ -12,6 +12,7 @@ processes (a ThreadedMotoServer on a free port: AWS_ENDPOINT_URL in every job's 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -200,10 +201,9 @@ class E2EWorld:
         if run is not None:
             lines = [line for log in run.attempts[-1].logs for line in log.read_text(errors="replace").splitlines()]
             group, stream = job._log_group, job.log_stream_name
-            try:
+            # The group may exist already: another job's (jobs of two runs may end at once).
+            with contextlib.suppress(self._logs.exceptions.ResourceAlreadyExistsException):
                 self._logs.create_log_group(logGroupName=group)
-            except self._logs.exceptions.ResourceAlreadyExistsException:
-                pass  # another job's (jobs of two runs may end at once)
             self._logs.create_log_stream(logGroupName=group, logStreamName=stream)
             now = int(time.time() * 1000)
             if lines:
