@@ -39,7 +39,9 @@ def share_group(item: pytest.Item) -> str | None:
     return None
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.pluginmanager.hasplugin("xdist"):  # `-p no:xdist`: no groups, and no unknown marker
+        return
     for item in items:
         group = share_group(item)
         if group is not None:
