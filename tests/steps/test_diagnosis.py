@@ -150,10 +150,15 @@ def test_every_step_error_line_is_classified_consistently_with_its_exit_code() -
         assert diagnosis.retryable == (int(codes[name]) == ExitCode.RETRYABLE)
 
 
+SHELL_EXIT_CODES = {126, 127}
+"""The shell's codes for a command it cannot execute or cannot find."""
+
+
 def test_the_exit_code_classes_agree_with_the_exit_code_table() -> None:
-    """The step's own codes are the contract's; above 128 a code is 128 + the signal that ended it."""
+    """The step's own codes are the contract's, 126 and 127 the shell's; above 128 a code is 128 +
+    the signal that ended it."""
     for code, name in RULES.exit_codes.items():
-        assert code in {int(c) for c in ExitCode} or code > 128, code
+        assert code in {int(c) for c in ExitCode} | SHELL_EXIT_CODES or code > 128, code
         assert RULES.classes[name].retryable == (code == ExitCode.RETRYABLE), (code, name)
 
 
