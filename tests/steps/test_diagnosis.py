@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pipeline_steps.diagnosis import STATUS_REASON, UNKNOWN, NodeLog, classify, load_rules
-from pipeline_steps.diagnosis.classifier import line_time, parse_rules
+from pipeline_steps.diagnosis.classifier import TIERS, line_time, parse_rules
 from pipeline_steps.errors import ExitCode
 
 from .conftest import REPO, cli_env, run_cli
@@ -182,6 +182,9 @@ def test_a_generic_exception_beats_only_symptoms() -> None:
     assert classify([NodeLog("node 0", (own,))], exit_code=78).cls == "bad_config"
     for wrapper in ("RuntimeError: boom", "OSError: boom", "ChildFailedError:", "ERROR: boom", "Error: boom"):
         assert RULES.best_rule(wrapper) is None, wrapper
+    # An exception class another rule names is that rule's, even when that rule is only a symptom.
+    closed = RULES.best_rule("torch.distributed.elastic.rendezvous.api.RendezvousClosedError")
+    assert (closed.cls, TIERS[closed.tier]) == ("rendezvous_failure", "symptom")
 
 
 def test_a_real_step_failure_is_diagnosed_by_the_command(tmp_path: Path) -> None:
