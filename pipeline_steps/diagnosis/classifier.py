@@ -22,7 +22,8 @@ from importlib import resources
 from pathlib import Path
 
 TIERS = ("cause", "likely", "generic", "symptom")
-WEAK_TIERS = frozenset({TIERS.index("generic"), TIERS.index("symptom")})
+GENERIC = TIERS.index("generic")
+WEAK_TIERS = frozenset({GENERIC, TIERS.index("symptom")})
 """Tiers that say less than the step's own exit code."""
 SIGNAL_EXIT_CODES = 128
 """Exit codes above this are 128 + a signal number (137: SIGKILL)."""
@@ -71,13 +72,16 @@ class Rules:
     """All patterns in one expression: most lines match none, and are skipped with one search."""
 
     def best_rule(self, text: str) -> Rule | None:
-        """The rule a line takes: the lowest tier, then the first in the file."""
+        """The rule a line takes: the lowest tier, then the first in the file. A generic rule (a bare
+        exception name) only when no other rule names the line: an exception class another rule
+        knows, even as a symptom, is that rule's."""
         if self.ignore is not None and self.ignore.search(text):
             return None
         if not self.any_rule.search(text):
             return None
         found = [r for r in self.rules if r.pattern.search(text)]
-        return min(found, key=lambda r: r.tier) if found else None
+        named = [r for r in found if r.tier != GENERIC]
+        return min(named or found, key=lambda r: r.tier) if found else None
 
 
 def _compile(patterns: Sequence[str], where: str) -> re.Pattern[str]:

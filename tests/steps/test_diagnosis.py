@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pipeline_steps.diagnosis import STATUS_REASON, UNKNOWN, NodeLog, classify, load_rules
-from pipeline_steps.diagnosis.classifier import line_time, parse_rules
+from pipeline_steps.diagnosis.classifier import TIERS, line_time, parse_rules
 from pipeline_steps.errors import ExitCode
 
 from .conftest import REPO, cli_env, run_cli
@@ -150,10 +150,15 @@ def test_every_step_error_line_is_classified_consistently_with_its_exit_code() -
         assert diagnosis.retryable == (int(codes[name]) == ExitCode.RETRYABLE)
 
 
+SHELL_EXIT_CODES = {126, 127}
+"""The shell's codes for a command it cannot execute or cannot find."""
+
+
 def test_the_exit_code_classes_agree_with_the_exit_code_table() -> None:
-    """The step's own codes are the contract's; above 128 a code is 128 + the signal that ended it."""
+    """The step's own codes are the contract's, 126 and 127 the shell's; above 128 a code is 128 +
+    the signal that ended it."""
     for code, name in RULES.exit_codes.items():
-        assert code in {int(c) for c in ExitCode} or code > 128, code
+        assert code in {int(c) for c in ExitCode} | SHELL_EXIT_CODES or code > 128, code
         assert RULES.classes[name].retryable == (code == ExitCode.RETRYABLE), (code, name)
 
 
@@ -177,6 +182,9 @@ def test_a_generic_exception_beats_only_symptoms() -> None:
     assert classify([NodeLog("node 0", (own,))], exit_code=78).cls == "bad_config"
     for wrapper in ("RuntimeError: boom", "OSError: boom", "ChildFailedError:", "ERROR: boom", "Error: boom"):
         assert RULES.best_rule(wrapper) is None, wrapper
+    # An exception class another rule names is that rule's, even when that rule is only a symptom.
+    closed = RULES.best_rule("torch.distributed.elastic.rendezvous.api.RendezvousClosedError")
+    assert (closed.cls, TIERS[closed.tier]) == ("rendezvous_failure", "symptom")
 
 
 def test_a_real_step_failure_is_diagnosed_by_the_command(tmp_path: Path) -> None:
