@@ -538,9 +538,16 @@ OUTPUT_NAMES = ("tokenizer.json", "schema.json", "products.parquet", "train_pair
                 *(prepared_data.pair_array_path(Path(), side, name).name for side in ("train", "holdout") for name in prepared_data.PAIR_ARRAYS))
 
 
+def _distinct_count(keys: np.ndarray) -> int:
+    """The number of distinct values, by a sort: numpy 2's np.unique hashes uint64 keys, about
+    100x slower than sorting them (0.9 s against 10 ms for a million)."""
+    ordered = np.sort(keys)
+    return int(len(ordered) and 1 + np.count_nonzero(ordered[1:] != ordered[:-1]))
+
+
 def summary(cfg: DataConfig, schema: feature_schema.Schema, products: prepared_data.Products, stats: PairStats) -> dict:
     """The report's description of what was prepared."""
-    distinct = {side: len(np.unique(np.concatenate(keys))) if keys else 0 for side, keys in stats.keys.items()}
+    distinct = {side: _distinct_count(np.concatenate(keys)) if keys else 0 for side, keys in stats.keys.items()}
     return {
         "schema": {"numeric": len(schema.numeric_names), "categorical": list(schema.cardinalities),
                    "classes": len(schema.class_names)},

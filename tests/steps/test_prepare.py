@@ -363,7 +363,8 @@ ODD_TEXTS = ["tab\there", "line\nbreak\r\n", "vt\x0bff\x0c", "fs\x1cgs\x1drs\x1e
 
 def test_prepare_gives_the_same_files_as_the_plain_implementations_on_odd_text(tmp_path, monkeypatch):
     """Whitespace collapsing, encoding by words (with its cache and its cut of long texts), the
-    accent-stripping of queries and the tokenizer's seed characters all have fast paths: on text with
+    accent-stripping of queries, the tokenizer's seed characters and its training on word counts
+    all have fast paths: on text with
     every kind of whitespace, control characters, accents, scripts and long descriptions, prepare
     writes the same files as with the plain implementations (split and join, whole-text encoding,
     per-character loops)."""
@@ -385,6 +386,7 @@ def test_prepare_gives_the_same_files_as_the_plain_implementations_on_odd_text(t
     monkeypatch.setattr(tokenization.WordEncoder, "of", classmethod(lambda cls, tokenizer, max_length: None))
     monkeypatch.setattr(tokenization, "normalise_query", _normalise_query_per_character)
     monkeypatch.setattr(tokenization, "_continuing_subword_tokens", _continuing_subwords_of_whole_texts)
+    monkeypatch.setattr(tokenization, "_word_feed", lambda texts, max_words: texts)
     assert _prepare(tmp_path / "plain", "--data", str(data)) == 0
     fast, plain = tmp_path / "fast" / "prepared", tmp_path / "plain" / "prepared"
     names = sorted(p.name for p in fast.iterdir() if p.is_file() and p.name != "prepare.json")
@@ -392,6 +394,20 @@ def test_prepare_gives_the_same_files_as_the_plain_implementations_on_odd_text(t
     assert names == sorted(p.name for p in plain.iterdir() if p.is_file() and p.name != "prepare.json")
     for name in names:
         assert (fast / name).read_bytes() == (plain / name).read_bytes(), name
+
+
+def test_the_tokenizer_learns_the_most_frequent_words_of_a_large_vocabulary():
+    """A sample with more distinct words than the tokenizer learns from (TOKENIZER_WORDS; its merge
+    loop costs time per distinct word) trains on the most frequent: they become whole tokens, the
+    rarest are left to the pieces; under the bound the vocabulary is the same as from every word."""
+    frequent = ["sofa", "table", "lamp", "chair", "rug"]
+    rare = [f"zq{chr(97 + i // 26)}{chr(97 + i % 26)}x" for i in range(300)]
+    texts = [" ".join(frequent)] * 20 + [f"{w} {w}" for w in rare[:150]] + rare[150:]
+    vocab = tokenization.train_tokenizer(texts, 2000, max_words=len(frequent) + 150).get_vocab()
+    assert set(frequent) <= set(vocab)
+    assert not set(rare[150:]) & set(vocab)
+    assert tokenization.train_tokenizer(texts, 2000, max_words=len(frequent) + 300).get_vocab() == \
+        tokenization.train_tokenizer(texts, 2000, max_words=10**9).get_vocab()
 
 
 def test_the_tokenizer_learns_from_a_sample_bounded_in_characters(tmp_path, monkeypatch):
