@@ -117,12 +117,16 @@ class TextEncoder:
     """`encode_texts` that remembers the rows of up to `capacity` texts across calls (the first
     ones seen; a text's row does not depend on the call, so the result is the same)."""
 
-    def __init__(self, tokenizer: Tokenizer, max_length: int, capacity: int = ENCODE_CACHE_TEXTS):
+    def __init__(self, tokenizer: Tokenizer, max_length: int, capacity: int = ENCODE_CACHE_TEXTS,
+                 word_capacity: int | None = None):
+        """`capacity` texts remembered, and `word_capacity` words by its word encoder (its default)."""
         # A private copy: truncation is tokenizer state and the caller's object stays untouched.
         self._tok = Tokenizer.from_str(tokenizer.to_str())
         self._tok.enable_truncation(max_length=max_length)
         self._tok.no_padding()  # padding here is cheaper than turning 0s into Python ints and back
         self._words = WordEncoder.of(tokenizer, max_length)
+        if self._words is not None and word_capacity is not None:
+            self._words.capacity = word_capacity
         self.max_length, self.capacity = max_length, capacity
         self._row: dict[str, int] = {}
         self._ids = np.zeros((0, max_length), dtype=np.int32)
@@ -402,7 +406,14 @@ class TextSample:
 
     def update(self, texts: Iterable[str]) -> None:
         new = list(set(texts) - self._kept)
-        hashes = text_hashes(new)
+        self._add(new, text_hashes(new))
+
+    def merge(self, other: TextSample) -> None:
+        """Add the sample of another part of the input: the result is the sample of both parts."""
+        new = [k for k, text in enumerate(other._texts.tolist()) if text not in self._kept]
+        self._add(other._texts[new].tolist(), other._hashes[new])
+
+    def _add(self, new: list[str], hashes: np.ndarray) -> None:
         if len(self._hashes) >= self.size:  # only a hash below the largest kept one can enter
             below = np.flatnonzero(hashes < self._hashes.max())
             new, hashes = [new[i] for i in below], hashes[below]

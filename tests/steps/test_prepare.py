@@ -284,6 +284,47 @@ def test_pairs_are_streamed_in_chunks_without_changing_the_result(tmp_path, monk
     assert not (tmp_path / "chunked" / "prepared" / "_work").exists()
 
 
+def test_worker_processes_prepare_the_same_files_as_one_process(dirty_input, tmp_path, monkeypatch):
+    """Worker processes validate the pair files and tokenise the chunks of pairs (one per CPU): with
+    bad records in three pair files and chunks that span them, one, two and three workers write
+    the same files, the quarantine's records in input order included; and but for the quarantine's
+    file names and lines, the files of the same records in one pair file."""
+    from pipeline_steps import preparing, worker_pool
+
+    monkeypatch.setattr(preparing, "PAIR_CHUNK", 37)
+    assert _prepare(tmp_path / "one-file", "--data", str(dirty_input["data"]), "--max-bad-fraction", "0.5") == 0
+    pairs = dirty_input["data"] / "pairs"
+    lines = (pairs / "part-00000.jsonl").read_bytes().splitlines(keepends=True)
+    third = len(lines) // 3
+    for i in range(3):
+        (pairs / f"part-{i:05d}.jsonl").write_bytes(b"".join(lines[i * third:(i + 1) * third if i < 2 else None]))
+    for workers in (1, 2, 3):
+        monkeypatch.setattr(worker_pool, "worker_count", lambda count=workers: count)
+        assert _prepare(tmp_path / f"w{workers}", "--data", str(dirty_input["data"]), "--max-bad-fraction", "0.5") == 0
+    one = tmp_path / "w1" / "prepared"
+    names = sorted(p.name for p in one.iterdir() if p.is_file() and p.name != "prepare.json")
+    assert {"quarantine.jsonl", "train_pairs.parquet", "train_pairs.token_ids.npy"} <= set(names)
+    assert len((one / "quarantine.jsonl").read_text().splitlines()) == len(BAD_PRODUCTS) + len(BAD_PAIRS)
+    for run in ("w2", "w3", "one-file"):
+        for name in names:
+            if run != "one-file" or name != "quarantine.jsonl":
+                assert (tmp_path / run / "prepared" / name).read_bytes() == (one / name).read_bytes(), (run, name)
+
+
+def test_workers_follow_the_cpus_a_container_may_use(tmp_path, monkeypatch):
+    """A container's CPU quota (an AWS Batch job's vCPUs on a larger instance) bounds the workers,
+    not the host's CPU count."""
+    from pipeline_steps import worker_pool
+
+    monkeypatch.setattr(worker_pool.os, "sched_getaffinity", lambda pid: set(range(64)))
+    monkeypatch.setattr(worker_pool, "CGROUP_CPU_MAX", tmp_path / "cpu.max")
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert worker_pool.available_cpus() == 2
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert worker_pool.available_cpus() == 64
+    assert worker_pool.worker_count() == worker_pool.MAX_WORKERS
+
+
 def test_prepare_never_imports_torch(tmp_path):
     """Prepare needs no torch; importing it (its tracking hook once did) costs ~0.9 GB of RSS."""
     probe = ("import sys; from pipeline_steps.__main__ import main\n"
