@@ -119,10 +119,12 @@ def _list_column(matrix: np.ndarray) -> pa.Array | pa.ChunkedArray:
     at most LIST_VALUES values."""
     n, width = matrix.shape
     values = pa.array(np.ascontiguousarray(matrix).reshape(-1))
-    rows = LIST_VALUES // width if width else n  # width 0: a catalog without numeric features
-    chunks = [pa.ListArray.from_arrays(pa.array(np.arange(min(rows, n - start) + 1, dtype=np.int32) * width),
-                                       values.slice(start * width, min(rows, n - start) * width))
-              for start in range(0, max(n, 1), max(rows, 1))]
+    per_chunk = max(LIST_VALUES // width if width else n, 1)  # width 0: a catalog without numeric features
+    chunks = []
+    for start in range(0, max(n, 1), per_chunk):
+        rows = min(per_chunk, n - start)
+        offsets = pa.array(np.arange(rows + 1, dtype=np.int32) * width)
+        chunks.append(pa.ListArray.from_arrays(offsets, values.slice(start * width, rows * width)))
     return chunks[0] if len(chunks) == 1 else pa.chunked_array(chunks)
 
 

@@ -1,9 +1,10 @@
 """The preparing library both phases of `prepare` use (pipeline_steps/steps/prepare.py runs them):
 reading and validating the inputs with a quarantine, the tokenizer and feature schema (trained, or
 an --init-from run's), the catalog's static-shape arrays, the pairs spilled and tokenised in
-chunks, the outputs and prepare.json. `prepare()` runs it all in one process; the array-job
-phases (prepare_shards.py) spread the pairs over the children and write the same outputs. Files
-and formats: docs/data.md, "Outputs"; memory: the catalog plus one chunk of pairs ("Scale")."""
+chunks, the outputs and prepare.json. `prepare()` runs it all in one job, its worker processes
+validating and tokenising the pairs (worker_pool.py); the array-job phases (prepare_shards.py)
+spread the pairs over the children and write the same outputs. Files and formats: docs/data.md,
+"Outputs"; memory: the catalog plus one chunk of pairs per process ("Scale")."""
 
 from __future__ import annotations
 
@@ -414,7 +415,7 @@ def _spill_file(job: SpillJob) -> FileSpill:
             _write_arrow(spilled[-1], pa.table({
                 "query": pa.array(chunk.queries, pa.string()), "product_index": chunk.product_index,
                 "weight": chunk.weight, "label": pa.array(chunk.labels, pa.string()), "holdout": holdout, "key": keys}))
-    pa.default_memory_pool().release_unused()  # a worker's spilled chunks: its memory while the parent works on
+    pa.default_memory_pool().release_unused()  # the chunks' memory back to the system: a waiting worker holds little
     return FileSpill(spilled, part, quarantine.reasons["pairs"], num_read["pairs"], num_valid, num_train, sample, labels)
 
 

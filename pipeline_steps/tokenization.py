@@ -38,9 +38,9 @@ def _continuing_subword_tokens(tokenizer: Tokenizer, texts: Sequence[str], chunk
 
 TOKENIZER_WORDS = 100_000
 """Distinct words the tokenizer is trained on at most: the most frequent of its sample. The
-trainer's merge loop costs time in the distinct words (395,000 words of a large vocabulary took
-10.7 CPU s, its 100,000 most frequent 3.2 s); the words left out are the rarest, which WordPiece
-then splits into the pieces it learned from the others (docs/data.md, "The tokenizer")."""
+trainer's merge loop costs time per distinct word (395,000 words of a large vocabulary took 11 CPU
+s, its 100,000 most frequent 3.3 s); the words left out are the rarest, which WordPiece then
+splits into the pieces it learned from the others (docs/data.md, "Scale: streaming and memory")."""
 
 
 def _word_feed(texts: Sequence[str], max_words: int) -> Iterator[str]:
@@ -119,7 +119,7 @@ class TextEncoder:
 
     def __init__(self, tokenizer: Tokenizer, max_length: int, capacity: int = ENCODE_CACHE_TEXTS,
                  word_capacity: int | None = None):
-        """`capacity` texts remembered, and `word_capacity` words by its word encoder (its default)."""
+        """`capacity` texts remembered, and `word_capacity` words by its word encoder (None: WordEncoder's default)."""
         # A private copy: truncation is tokenizer state and the caller's object stays untouched.
         self._tok = Tokenizer.from_str(tokenizer.to_str())
         self._tok.enable_truncation(max_length=max_length)
