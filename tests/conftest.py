@@ -43,6 +43,9 @@ def share_group(item: pytest.Item) -> str | None:
     return None
 
 
+# First: xdist's own hook (on each worker) turns the markers into the scheduling groups, and a hook
+# of a plugin registered after this file runs before it unless this one asks to go first.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not config.pluginmanager.hasplugin("xdist"):  # `-p no:xdist`: no groups, and no unknown marker
         return
