@@ -83,10 +83,8 @@ class Canary(Construct):
             self, "FailedRule",
             event_pattern=events.EventPattern(source=["aws.batch"], detail_type=["Batch Job State Change"],
                                               detail={**detail, "status": ["FAILED"]}),
-            targets=event_targets(
-                topic, chat_topic, events_role(self, "NotifyRole", description=(
-                    "EventBridge: publish failed canaries to the alert topic")),
-                title="Canary job failed",
+            targets=event_targets(topic, chat_topic, events_role(self, "NotifyRole", description=(
+                "EventBridge: publish failed canaries to the alert topic")), title="Canary job failed",
                 text=f"Canary job {events.EventField.from_path('$.detail.jobId')} failed: "
                      f"{events.EventField.from_path('$.detail.statusReason')}"))
         self._alarm_when_not_succeeding(topic, minutes)

@@ -55,8 +55,9 @@ def publish_parameters(topic_arn: str) -> dict:
 def event_targets(topic: sns.ITopic, chat_topic: sns.ITopic | None, role: iam.IRole, *,
                   title: str, text: str) -> list[events.IRuleTarget]:
     """An EventBridge rule's targets: `text` (with EventField placeholders) to `topic`, and with a
-    `chat_topic`, the custom notification of `title` over the same text to it (JSON input templates
-    escape the values: https://docs.aws.amazon.com/eventbridge/latest/userguide/eb-transform-target-input.html)."""
+    `chat_topic`, the custom notification of `title` over the same text to it: a JSON input template,
+    in which EventBridge escapes the variables' values (all but the raw event's:
+    https://docs.aws.amazon.com/eventbridge/latest/userguide/eb-transform-target-input.html)."""
     out: list[events.IRuleTarget] = [targets.SnsTopic(topic, role=role, message=events.RuleTargetInput.from_text(text))]
     if chat_topic is not None:
         chat = custom_notification({"title": title, "description": text})

@@ -55,6 +55,12 @@ def test_a_stage_with_slack_posts_the_topic_to_the_channel_read_only(slack_pipel
     assert errors == []
 
 
+def _filled(transformer: dict) -> str:
+    """An input template as EventBridge fills it (escaped, inside a JSON template) for a sample event."""
+    paths = transformer["InputPathsMap"]
+    return re.sub(r"<([\w-]+)>", lambda m: f"value of {paths[m.group(1)]}", transformer["InputTemplate"])
+
+
 def test_eventbridge_notifications_reach_email_as_text_and_the_channel_as_custom_notifications(slack_pipeline) -> None:
     # EventBridge cannot publish one rendering per protocol: the text goes to the alert topic (e-mail),
     # the custom notification to the topic only the channel subscribes to.
@@ -69,11 +75,8 @@ def test_eventbridge_notifications_reach_email_as_text_and_the_channel_as_custom
         assert (text["Arn"], chat_target["Arn"], text["RoleArn"]) == (alerts, chat, chat_target["RoleArn"])
         paths = text["InputTransformer"]["InputPathsMap"]
         assert chat_target["InputTransformer"]["InputPathsMap"] == paths
-        # EventBridge fills the placeholders (escaped inside a JSON template); a sample event's values:
-        values = {name: f"value of {path}" for name, path in paths.items()}
-        fill = lambda template: re.sub(r"<([\w-]+)>", lambda m: values[m.group(1)], template)  # noqa: E731
-        content = custom_notification_content(json.loads(fill(chat_target["InputTransformer"]["InputTemplate"])))
-        assert content["description"] == json.loads(fill(text["InputTransformer"]["InputTemplate"]))
+        content = custom_notification_content(json.loads(_filled(chat_target["InputTransformer"])))
+        assert content["description"] == json.loads(_filled(text["InputTransformer"]))
         assert "value of $.detail.statusReason" in content["description"]
 
 
