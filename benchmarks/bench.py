@@ -15,6 +15,7 @@ Local (from a checkout, with the `bench` extra):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -526,18 +527,45 @@ _MEASURED_STEP = ("import sys\n"
 """Runs `python -m pipeline_steps ARGS` and prints the process's own peak RSS (VmHWM, in kB) last."""
 
 
-def _run_measured(step_args: list[str]) -> tuple[float, float, int]:
-    """(wall s, CPU s, peak RSS bytes) of `python -m pipeline_steps STEP_ARGS` in a child process.
+def tree_pss(pid: int) -> int:
+    """Bytes of memory process `pid` and its descendants hold: the sum of their proportional set
+    sizes (a page shared by k processes counts 1/k in each; /proc/PID/smaps_rollup, proc(5))."""
+    total, pids = 0, [pid]
+    for process in pids:  # grows as children are found
+        with contextlib.suppress(OSError, StopIteration):  # a process that ended meanwhile
+            for task in os.listdir(f"/proc/{process}/task"):
+                pids += [int(child) for child in Path(f"/proc/{process}/task/{task}/children").read_text().split()]
+            with open(f"/proc/{process}/smaps_rollup") as fh:
+                total += next(int(line.split()[1]) for line in fh if line.startswith("Pss:")) * 1024
+    return total
 
-    The peak is the child's own VmHWM (/proc/self/status, read by the child as it finishes). The
-    rusage of the child is no good for it: Linux carries a parent's peak RSS into a child it forks
-    or vforks (exec_mmap records the replaced address space's high-water mark in the maxrss that
-    getrusage reports: https://github.com/torvalds/linux/blob/master/fs/exec.c), so a child of
-    this 2 GB process would report at least 2 GB. CPU seconds are the growth of RUSAGE_CHILDREN
-    (CPU time is not carried over; this child is the only one that ends in between)."""
+
+TREE_SAMPLE_S = 0.05
+"""Seconds between two samples of a measured step's process tree."""
+
+
+def _sample_tree_peak(proc, peak: list[int]) -> None:
+    """peak[0] = the largest tree_pss of `proc` while it runs."""
+    while proc.poll() is None:
+        peak[0] = max(peak[0], tree_pss(proc.pid))
+        time.sleep(TREE_SAMPLE_S)
+
+
+def _run_measured(step_args: list[str]) -> tuple[float, float, int]:
+    """(wall s, CPU s, peak memory bytes) of `python -m pipeline_steps STEP_ARGS` in a child process.
+
+    The peak is the child's own VmHWM (/proc/self/status, read by the child as it finishes) or,
+    when it has worker processes (prepare's), the largest sum of the PSS of the child and its
+    workers, sampled every TREE_SAMPLE_S, whichever is larger. The rusage of the child is no good
+    for it: Linux carries a parent's peak RSS into a child it forks or vforks (exec_mmap records
+    the replaced address space's high-water mark in the maxrss that getrusage reports:
+    https://github.com/torvalds/linux/blob/master/fs/exec.c), so a child of this 2 GB process
+    would report at least 2 GB. CPU seconds are the growth of RUSAGE_CHILDREN (CPU time is not
+    carried over; this child, whose workers end before it, is the only one that ends in between)."""
     import resource
     import subprocess
     import sys
+    import threading
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
                                                                       os.environ.get("PYTHONPATH")]))}
@@ -545,14 +573,18 @@ def _run_measured(step_args: list[str]) -> tuple[float, float, int]:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    tree_peak = [0]
+    sampler = threading.Thread(target=_sample_tree_peak, args=(proc, tree_peak), daemon=True)
+    sampler.start()
     stdout, stderr = proc.communicate()  # both pipes drained: a full pipe would block the child
     wall = time.perf_counter() - started
+    sampler.join()
     if proc.returncode:
         raise RuntimeError(f"{' '.join(step_args)} exited {proc.returncode}: {stderr.decode(errors='replace')[-2000:]}")
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     hwm_kib = int(stdout.decode().strip().splitlines()[-1].split()[1])
-    return wall, cpu, hwm_kib * 1024
+    return wall, cpu, max(hwm_kib * 1024, tree_peak[0])
 
 
 def _write_jsonl_upload(out: Path, num_records: int) -> int:

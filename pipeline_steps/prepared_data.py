@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline_contract import PREPARE_REPORT, PREPARED_DIR
@@ -108,16 +109,26 @@ class PreparedData:
     data_cfg: DataConfig
 
 
-def _list_column(matrix: np.ndarray) -> pa.Array:
-    """A [n, w] array as a list<...> column without a Python loop (uniform offsets)."""
+LIST_VALUES = 2**31 - 1
+"""Values one chunk of a list column holds at most: its offsets are int32 (a catalog of 17 million
+products x 128 tokens holds more)."""
+
+
+def _list_column(matrix: np.ndarray) -> pa.Array | pa.ChunkedArray:
+    """A [n, w] array as a list<...> column without a Python loop (uniform offsets), in chunks of
+    at most LIST_VALUES values."""
     n, width = matrix.shape
-    offsets = pa.array(np.arange(n + 1, dtype=np.int32) * width)  # width 0: a catalog without numeric features
-    return pa.ListArray.from_arrays(offsets, pa.array(np.ascontiguousarray(matrix).reshape(-1)))
+    values = pa.array(np.ascontiguousarray(matrix).reshape(-1))
+    rows = LIST_VALUES // width if width else n  # width 0: a catalog without numeric features
+    chunks = [pa.ListArray.from_arrays(pa.array(np.arange(min(rows, n - start) + 1, dtype=np.int32) * width),
+                                       values.slice(start * width, min(rows, n - start) * width))
+              for start in range(0, max(n, 1), max(rows, 1))]
+    return chunks[0] if len(chunks) == 1 else pa.chunked_array(chunks)
 
 
 def _matrix(table: pa.Table, name: str, width: int, dtype: Any, path: Path) -> np.ndarray:
-    column = table.column(name).combine_chunks()
-    values = column.flatten().to_numpy(zero_copy_only=False)
+    column = table.column(name)
+    values = pc.list_flatten(column).to_numpy()  # chunk by chunk: their offsets may not fit one int32 column
     if values.size != len(column) * width:
         raise BadInputError(f"{path}: column {name} is not [{len(column)}, {width}]; the file does not "
                             f"match its prepare.json; rerun prepare")

@@ -11,6 +11,7 @@ import argparse
 import collections.abc
 import contextlib
 import dataclasses
+import functools
 import gc
 import hashlib
 import json
@@ -39,6 +40,7 @@ from . import (
     static_batches,
     tokenization,
     upload_readiness,
+    worker_pool,
 )
 from .config import DataConfig, to_dict
 from .errors import BadConfigError, BadInputError, StepError
@@ -92,6 +94,15 @@ class Quarantine:
 
     def count(self, kind: str) -> int:
         return sum(self.reasons[kind].values())
+
+    def extend(self, kind: str, reasons: Counter, path: Path) -> None:
+        """Add the entries another Quarantine streamed to `path` (a worker's), and their counts."""
+        self.reasons[kind].update(reasons)
+        with open(path, "rb") as part:
+            if self._sink is None:
+                self.entries += [json.loads(line) for line in part]
+            else:
+                shutil.copyfileobj(part, self._sink)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,7 +336,7 @@ def build_products(catalog: Catalog, tokenizer, schema: feature_schema.Schema, c
 @dataclass
 class SpilledPairs:
     """What the validation pass learned about the pairs: the valid ones sit in `files` (Arrow IPC,
-    one per chunk, with their holdout side), the rest is small."""
+    in input order, with their holdout side), the rest is small."""
 
     files: list[Path]
     num_read: int
@@ -341,30 +352,86 @@ def tokenizer_sample() -> tokenization.TextSample:
     return tokenization.TextSample(TOKENIZER_SAMPLE // 2, TOKENIZER_SAMPLE_CHARS)
 
 
-def spill_pairs(files: Sequence[Path], cfg: DataConfig, product_row: dict[str, int], quarantine: Quarantine,
-                work: Path, seed: int) -> SpilledPairs:
-    """Validate the pairs and split them by query, holding one chunk in memory at a time."""
+def _write_arrow(path: Path, table: pa.Table) -> None:
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+
+
+@functools.lru_cache(maxsize=1)
+def _catalog_rows(path: str) -> dict[str, int]:
+    """Product id -> row of the catalog ids `path` holds (read once per process)."""
+    with pa.memory_map(path) as source:
+        ids = pa.ipc.open_file(source).read_all().column("id").to_pylist()
+    return {product_id: row for row, product_id in enumerate(ids)}
+
+
+@dataclass(frozen=True)
+class SpillJob:
+    """One pair file to validate and split (in a worker): everything it needs is in here or in files."""
+
+    index: int
+    path: Path
+    cfg: DataConfig
+    catalog_ids: Path
+    work: Path
+    seed: int
+
+
+@dataclass
+class FileSpill:
+    """One pair file validated: its spilled chunks, its quarantine part, and what the report needs."""
+
+    files: list[Path]
+    quarantine: Path
+    reasons: Counter
+    num_read: int
+    num_valid: int
+    num_train: int
+    sample: tokenization.TextSample
+    labels: set[str]
+
+
+def _spill_file(job: SpillJob) -> FileSpill:
+    """Validate one pair file and split its pairs by query, holding one chunk in memory at a time."""
     num_read: Counter = Counter()
     sample = tokenizer_sample()
     labels: set[str] = set()
     spilled, num_valid, num_train = [], 0, 0
-    threshold = tokenization.holdout_threshold(cfg.holdout_fraction)
+    threshold = tokenization.holdout_threshold(job.cfg.holdout_fraction)
     known_keys: dict[str, int] = {}  # queries repeat across chunks
-    for i, chunk in enumerate(iter_pair_chunks(files, cfg, product_row, quarantine, num_read, PAIR_CHUNK)):
-        keys = tokenization.query_keys(chunk.queries, seed, known_keys)
-        holdout = keys < threshold
-        num_valid += len(chunk)
-        num_train += int((~holdout).sum())
-        sample.update(q for q, h in zip(chunk.queries, holdout) if not h)  # holdout queries stay unseen
-        labels.update(label for label in chunk.labels if label)
-        table = pa.table({"query": pa.array(chunk.queries, pa.string()), "product_index": chunk.product_index,
-                          "weight": chunk.weight, "label": pa.array(chunk.labels, pa.string()),
-                          "holdout": holdout, "key": keys})
-        path = work / f"pairs-{i:06d}.arrow"
-        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
-            writer.write_table(table)
-        spilled.append(path)
-    return SpilledPairs(spilled, num_read["pairs"], num_valid, num_train, sample.texts(), labels)
+    part = job.work / f"quarantine-{job.index:06d}.jsonl"
+    with open(part, "wb") as sink:
+        quarantine = Quarantine(sink)
+        for i, chunk in enumerate(iter_pair_chunks([job.path], job.cfg, _catalog_rows(str(job.catalog_ids)),
+                                                   quarantine, num_read, PAIR_CHUNK)):
+            keys = tokenization.query_keys(chunk.queries, job.seed, known_keys)
+            holdout = keys < threshold
+            num_valid += len(chunk)
+            num_train += int((~holdout).sum())
+            sample.update(q for q, h in zip(chunk.queries, holdout) if not h)  # holdout queries stay unseen
+            labels.update(label for label in chunk.labels if label)
+            spilled.append(job.work / f"pairs-{job.index:06d}-{i:06d}.arrow")
+            _write_arrow(spilled[-1], pa.table({
+                "query": pa.array(chunk.queries, pa.string()), "product_index": chunk.product_index,
+                "weight": chunk.weight, "label": pa.array(chunk.labels, pa.string()), "holdout": holdout, "key": keys}))
+    pa.default_memory_pool().release_unused()  # a worker's spilled chunks: its memory while the parent works on
+    return FileSpill(spilled, part, quarantine.reasons["pairs"], num_read["pairs"], num_valid, num_train, sample, labels)
+
+
+def spill_pairs(files: Sequence[Path], cfg: DataConfig, catalog_ids: Path, quarantine: Quarantine, work: Path,
+                seed: int, pool: worker_pool.Pool = None) -> SpilledPairs:
+    """Validate the pairs and split them by query: a file at a time, by the workers of `pool` when
+    there is one; their quarantined records join `quarantine` in input order."""
+    sample, labels, spilled, counts = tokenizer_sample(), set(), [], Counter()
+    jobs = [SpillJob(i, Path(path), cfg, catalog_ids, work, seed) for i, path in enumerate(files)]
+    for _, part in worker_pool.ordered_map(pool, _spill_file, jobs, window=len(jobs)):
+        quarantine.extend("pairs", part.reasons, part.quarantine)
+        sample.merge(part.sample)
+        labels |= part.labels
+        spilled += part.files
+        counts.update(read=part.num_read, valid=part.num_valid, train=part.num_train)
+    _catalog_rows.cache_clear()
+    return SpilledPairs(spilled, counts["read"], counts["valid"], counts["train"], sample.texts(), labels)
 
 
 @dataclass
@@ -424,30 +491,61 @@ class PairOutputs:
         return self._stack.__exit__(*exc)
 
 
-def write_pairs(spilled: SpilledPairs, tokenizer, schema: feature_schema.Schema, cfg: DataConfig, products: prepared_data.Products,
-                out: Path) -> PairStats:
-    """Tokenise the spilled pairs chunk by chunk into the pair outputs (PairOutputs)."""
+PAIR_CHUNKS_AHEAD = 4
+"""Chunks of pairs the workers tokenise ahead of the writer at most (about 12 MB each)."""
+
+
+def _spilled_chunks(files: Sequence[Path], size: int) -> Iterator[pa.Table]:
+    """The spilled pairs in input order, `size` rows at a time whatever file they were spilled to:
+    the outputs get the same row groups whatever the number of input files or workers."""
+    pending: list[pa.Table] = []
+    rows = 0
+    for path in files:
+        with pa.memory_map(str(path)) as source:
+            pending.append(pa.ipc.open_file(source).read_all())
+        rows += pending[-1].num_rows
+        while rows >= size:
+            table = pa.concat_tables(pending)
+            yield table.slice(0, size).combine_chunks()
+            pending, rows = [table.slice(size)], rows - size
+    if rows:
+        yield pa.concat_tables(pending).combine_chunks()
+
+
+@functools.lru_cache(maxsize=1)
+def _text_encoder(tokenizer_path: str, max_length: int, workers: int) -> tokenization.TextEncoder:
+    """The encoder of a process: the workers share the caches' memory of one process's."""
+    return tokenization.TextEncoder(tokenization.load_tokenizer(tokenizer_path), max_length,
+                                    tokenization.ENCODE_CACHE_TEXTS // workers, tokenization.WORD_CACHE_WORDS // workers)
+
+
+def _encode_queries(tokenizer_path: str, max_length: int, workers: int, chunk: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+    """(token_ids, lengths) of a chunk's queries (in a worker, whose encoder remembers texts across chunks)."""
+    return _text_encoder(tokenizer_path, max_length, workers)(chunk.column("query"))
+
+
+def write_pairs(spilled: SpilledPairs, tokenizer_path: Path, schema: feature_schema.Schema, cfg: DataConfig,
+                products: prepared_data.Products, out: Path, pool: worker_pool.Pool = None) -> PairStats:
+    """Tokenise the spilled pairs chunk by chunk (in worker processes when there are more CPUs than
+    one) into the pair outputs (PairOutputs), in input order."""
     num_rows = {"train": spilled.num_train, "holdout": spilled.num_valid - spilled.num_train}
-    encoder = tokenization.TextEncoder(tokenizer, cfg.query_length)
+    workers = worker_pool.worker_count() if pool is not None else 1
+    encode = functools.partial(_encode_queries, str(tokenizer_path), cfg.query_length, workers)
     with PairOutputs(out, num_rows, cfg, products) as outputs:
-        for path in spilled.files:
-            with pa.memory_map(str(path)) as source:
-                table = pa.ipc.open_file(source).read_all()
+        for table, (token_ids, lengths) in worker_pool.ordered_map(pool, encode, _spilled_chunks(spilled.files, PAIR_CHUNK),
+                                                                   window=PAIR_CHUNKS_AHEAD):
             holdout = table.column("holdout").to_numpy()
             for side, rows in (("train", np.flatnonzero(~holdout)), ("holdout", np.flatnonzero(holdout))):
                 if len(rows):
                     part = table.take(rows)
-                    outputs.append(side, part.column("query"), _tokenised_pairs(part, encoder, schema, products.class_id),
-                                   part.column("key").to_numpy())
+                    product_index = part.column("product_index").to_numpy()
+                    pairs = prepared_data.Pairs(
+                        queries=[], token_ids=token_ids[rows], lengths=lengths[rows], product_index=product_index,
+                        weight=part.column("weight").to_numpy(), class_id=pair_class_ids(
+                            part.column("label").to_pylist(), product_index, schema, products.class_id))
+                    outputs.append(side, part.column("query"), pairs, part.column("key").to_numpy())
+    _text_encoder.cache_clear()
     return outputs.stats
-
-
-def _tokenised_pairs(part: pa.Table, encoder: tokenization.TextEncoder, schema: feature_schema.Schema, product_class: np.ndarray) -> prepared_data.Pairs:
-    token_ids, lengths = encoder(part.column("query"))
-    product_index = part.column("product_index").to_numpy()
-    return prepared_data.Pairs(queries=[], token_ids=token_ids, lengths=lengths, product_index=product_index,
-                   weight=part.column("weight").to_numpy(),
-                   class_id=pair_class_ids(part.column("label").to_pylist(), product_index, schema, product_class))
 
 
 def pair_class_ids(labels: Sequence[str | None], product_index: np.ndarray, schema: feature_schema.Schema,
@@ -479,7 +577,7 @@ def sha256_bytes(data: bytes) -> str:
 # ---------------------------------------------------------------------------------------------
 
 def validate_inputs(product_files: Sequence[Path], pair_files: Sequence[Path], cfg: DataConfig, out: Path,
-                    seed: int, report: dict[str, Any]) -> tuple[Catalog, SpilledPairs]:
+                    seed: int, report: dict[str, Any], pool: worker_pool.Pool = None) -> tuple[Catalog, SpilledPairs]:
     """Read and validate every record, stream the quarantine, spill the valid pairs to out/_work/,
     fill report["counts"], apply the threshold."""
     work = out / WORK_DIR
@@ -489,7 +587,8 @@ def validate_inputs(product_files: Sequence[Path], pair_files: Sequence[Path], c
     with atomic_path(quarantine_path) as tmp, open(tmp, "wb") as sink, fewer_gc_passes():
         quarantine = Quarantine(sink)
         catalog, num_products_read = read_products(product_files, cfg, quarantine)
-        spilled = spill_pairs(pair_files, cfg, {p.id: i for i, p in enumerate(catalog)}, quarantine, work, seed)
+        _write_arrow(work / "catalog-ids.arrow", pa.table({"id": pa.array([p.id for p in catalog], pa.string())}))
+        spilled = spill_pairs(pair_files, cfg, work / "catalog-ids.arrow", quarantine, work, seed, pool)
     counts = {"products": record_counts("products", num_products_read, quarantine),
               "pairs": record_counts("pairs", spilled.num_read, quarantine)}
     report.update(counts=counts, quarantine_file=str(quarantine_path), max_bad_fraction=cfg.max_bad_fraction)
@@ -538,9 +637,16 @@ OUTPUT_NAMES = ("tokenizer.json", "schema.json", "products.parquet", "train_pair
                 *(prepared_data.pair_array_path(Path(), side, name).name for side in ("train", "holdout") for name in prepared_data.PAIR_ARRAYS))
 
 
+def _distinct_count(keys: np.ndarray) -> int:
+    """The number of distinct values, by a sort: numpy 2's np.unique hashes uint64 keys, about
+    100x slower than sorting them (0.9 s against 10 ms for a million)."""
+    ordered = np.sort(keys)
+    return int(len(ordered) and 1 + np.count_nonzero(ordered[1:] != ordered[:-1]))
+
+
 def summary(cfg: DataConfig, schema: feature_schema.Schema, products: prepared_data.Products, stats: PairStats) -> dict:
     """The report's description of what was prepared."""
-    distinct = {side: len(np.unique(np.concatenate(keys))) if keys else 0 for side, keys in stats.keys.items()}
+    distinct = {side: _distinct_count(np.concatenate(keys)) if keys else 0 for side, keys in stats.keys.items()}
     return {
         "schema": {"numeric": len(schema.numeric_names), "categorical": list(schema.cardinalities),
                    "classes": len(schema.class_names)},
@@ -581,17 +687,22 @@ def prepare(args: argparse.Namespace, preset) -> dict[str, Any]:
         "input_sha256": sha256_bytes(json.dumps(inputs, sort_keys=True).encode()),
         "init_from": str(args.init_from) if args.init_from else None,
     }
-    try:
-        catalog, spilled = validate_inputs(product_files, pair_files, cfg, out, args.seed, report)
-        tokenizer, tokenizer_bytes, schema, origin = tokenizer_and_schema(
-            args.init_from, cfg, catalog, spilled, args.pretrained, out)
-        products = build_products(catalog, tokenizer, schema, cfg)
-    except StepError as exc:
-        # The report of a failed run says why, next to the quarantine that explains it.
-        atomic_write_json(args.run_dir / PREPARE_REPORT, {**report, "error": str(exc)})
-        raise
-    write_outputs(out, tokenizer_bytes, schema, products)
-    stats = write_pairs(spilled, tokenizer, schema, cfg, products, out)
+    with worker_pool.worker_pool(worker_pool.worker_count()) as pool:
+        try:
+            catalog, spilled = validate_inputs(product_files, pair_files, cfg, out, args.seed, report, pool)
+            tokenizer, tokenizer_bytes, schema, origin = tokenizer_and_schema(
+                args.init_from, cfg, catalog, spilled, args.pretrained, out)
+            products = build_products(catalog, tokenizer, schema, cfg)
+        except StepError as exc:
+            # The report of a failed run says why, next to the quarantine that explains it.
+            atomic_write_json(args.run_dir / PREPARE_REPORT, {**report, "error": str(exc)})
+            raise
+        write_outputs(out, tokenizer_bytes, schema, products)
+        coverage = schema_coverage(schema, catalog, products)
+        del catalog  # and below, the texts: most of a catalog's memory, which the pairs do not need
+        products = dataclasses.replace(products, titles=[], texts=[])
+        pa.default_memory_pool().release_unused()
+        stats = write_pairs(spilled, out / "tokenizer.json", schema, cfg, products, out, pool)
     shutil.rmtree(out / WORK_DIR)
     if not stats.num["holdout"]:
         log.warning("the holdout is empty (too few distinct queries); validation will have nothing to score")
@@ -599,7 +710,7 @@ def prepare(args: argparse.Namespace, preset) -> dict[str, Any]:
     report.update(status="ok", outputs={name: sha256_file(out / name) for name in OUTPUT_NAMES},
                   tokenizer={"source": origin, "sha256": sha256_bytes(tokenizer_bytes),
                              "vocab_size": tokenizer.get_vocab_size()},
-                  schema_coverage=schema_coverage(schema, catalog, products),
+                  schema_coverage=coverage,
                   elapsed_s=round(time.time() - started, 3))
     atomic_write_json(args.run_dir / PREPARE_REPORT, report)
     log.info("prepared %d products, %d train / %d holdout pairs in %s (%.1fs)", len(products), stats.num["train"],

@@ -8,7 +8,7 @@ import itertools
 import json
 import logging
 import unicodedata
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -36,10 +36,32 @@ def _continuing_subword_tokens(tokenizer: Tokenizer, texts: Sequence[str], chunk
     return ["##" + c for c in sorted(inside)]
 
 
-def train_tokenizer(texts: Sequence[str], vocab_size: int) -> Tokenizer:
-    """A BERT-style WordPiece tokenizer trained on `texts`: NFD + lowercase + strip accents,
-    whitespace/punctuation pre-tokenisation, [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4, and every
-    encoding wrapped as [CLS] ... [SEP] (queries and products alike). Deterministic for `texts`."""
+TOKENIZER_WORDS = 100_000
+"""Distinct words the tokenizer is trained on at most: the most frequent of its sample. The
+trainer's merge loop costs time in the distinct words (395,000 words of a large vocabulary took
+10.7 CPU s, its 100,000 most frequent 3.2 s); the words left out are the rarest, which WordPiece
+then splits into the pieces it learned from the others (docs/data.md, "The tokenizer")."""
+
+
+def _word_feed(texts: Sequence[str], max_words: int) -> Iterator[str]:
+    """What the trainer reads: each of the `max_words` most frequent space-separated words of
+    `texts` (ties broken by the word's UTF-8 bytes), repeated as often as it occurs. The trainer
+    learns from the count of each word, whatever text it came in, so under `max_words` distinct words
+    this is the same input as `texts`: the normalizer maps characters one by one and the
+    pre-tokenizer splits at spaces (what WordEncoder relies on), and a string per word costs less."""
+    counts = pc.value_counts(pc.list_flatten(pc.split_pattern(pa.array(texts, pa.string()), " ")))
+    table = pa.table({"word": counts.field("values"), "count": counts.field("counts")})
+    if len(table) > max_words:
+        table = table.sort_by([("count", "descending"), ("word", "ascending")]).slice(0, max_words)
+    return (f"{word} " * count for word, count in zip(table.column("word").to_pylist(),
+                                                     table.column("count").to_pylist()))
+
+
+def train_tokenizer(texts: Sequence[str], vocab_size: int, max_words: int = TOKENIZER_WORDS) -> Tokenizer:
+    """A BERT-style WordPiece tokenizer trained on the `max_words` most frequent words of `texts`:
+    NFD + lowercase + strip accents, whitespace/punctuation pre-tokenisation, [PAD]=0 [UNK]=1
+    [CLS]=2 [SEP]=3 [MASK]=4, and every encoding wrapped as [CLS] ... [SEP] (queries and products
+    alike). Deterministic for `texts`."""
     tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tokenizer.normalizer = normalizers.Sequence([normalizers.NFD(), normalizers.Lowercase(),
                                                  normalizers.StripAccents()])
@@ -51,7 +73,7 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int) -> Tokenizer:
     seeded = _continuing_subword_tokens(tokenizer, texts)
     trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS) + seeded,
                                         show_progress=False)
-    tokenizer.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    tokenizer.train_from_iterator(_word_feed(texts, max_words), trainer=trainer)
     spec = json.loads(tokenizer.to_str())
     spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] in SPECIAL_TOKENS]
     tokenizer = Tokenizer.from_str(json.dumps(spec))
@@ -95,12 +117,16 @@ class TextEncoder:
     """`encode_texts` that remembers the rows of up to `capacity` texts across calls (the first
     ones seen; a text's row does not depend on the call, so the result is the same)."""
 
-    def __init__(self, tokenizer: Tokenizer, max_length: int, capacity: int = ENCODE_CACHE_TEXTS):
+    def __init__(self, tokenizer: Tokenizer, max_length: int, capacity: int = ENCODE_CACHE_TEXTS,
+                 word_capacity: int | None = None):
+        """`capacity` texts remembered, and `word_capacity` words by its word encoder (its default)."""
         # A private copy: truncation is tokenizer state and the caller's object stays untouched.
         self._tok = Tokenizer.from_str(tokenizer.to_str())
         self._tok.enable_truncation(max_length=max_length)
         self._tok.no_padding()  # padding here is cheaper than turning 0s into Python ints and back
         self._words = WordEncoder.of(tokenizer, max_length)
+        if self._words is not None and word_capacity is not None:
+            self._words.capacity = word_capacity
         self.max_length, self.capacity = max_length, capacity
         self._row: dict[str, int] = {}
         self._ids = np.zeros((0, max_length), dtype=np.int32)
@@ -345,16 +371,15 @@ def query_keys(queries: Sequence[str], seed: int, cache: dict[str, int] | None =
     cache = {} if cache is None else cache
     if len(cache) > ENCODE_CACHE_TEXTS:
         cache.clear()
-    prefix = f"{seed}\x00"
-
-    def key(query: str) -> int:
-        found = cache.get(query)
-        if found is None:
-            digest = hashlib.blake2b((prefix + normalise_query(query)).encode("utf-8"), digest_size=8).digest()
-            found = cache[query] = int.from_bytes(digest, "big")
-        return found
-
-    return np.fromiter(map(key, distinct), dtype=np.uint64, count=len(distinct))[inverse]
+    found = list(map(cache.get, distinct))
+    missing = [i for i, key in enumerate(found) if key is None]
+    if missing:
+        new = [distinct[i] for i in missing]
+        keys = text_hashes([f"{seed}\x00{normalise_query(query)}" for query in new]).tolist()
+        cache.update(zip(new, keys))
+        for i, key in zip(missing, keys):
+            found[i] = key
+    return np.array(found, dtype=np.uint64)[inverse]
 
 
 def holdout_threshold(fraction: float) -> np.uint64:
@@ -381,7 +406,14 @@ class TextSample:
 
     def update(self, texts: Iterable[str]) -> None:
         new = list(set(texts) - self._kept)
-        hashes = text_hashes(new)
+        self._add(new, text_hashes(new))
+
+    def merge(self, other: TextSample) -> None:
+        """Add the sample of another part of the input: the result is the sample of both parts."""
+        new = [k for k, text in enumerate(other._texts.tolist()) if text not in self._kept]
+        self._add(other._texts[new].tolist(), other._hashes[new])
+
+    def _add(self, new: list[str], hashes: np.ndarray) -> None:
         if len(self._hashes) >= self.size:  # only a hash below the largest kept one can enter
             below = np.flatnonzero(hashes < self._hashes.max())
             new, hashes = [new[i] for i in below], hashes[below]

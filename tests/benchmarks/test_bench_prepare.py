@@ -54,3 +54,31 @@ def test_the_measured_peak_rss_is_the_child_s_own_not_the_parent_s():
     assert ballast.sum() == ballast.size
     assert cpu_s > 0
     assert peak < 400 * 2**20
+
+
+def test_the_measured_memory_counts_the_processes_a_step_starts():
+    """prepare's worker processes hold memory of their own: the measured tree holds a grandchild's
+    300 MB, not only its parent's."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from benchmarks.bench import tree_pss
+
+    code = ("import os, time\n"
+            "ready, told = os.pipe()\n"
+            "if os.fork() == 0:\n"
+            "    ballast = b'x' * (300 * 2**20)\n"
+            "    os.write(told, b'1')\n"
+            "else:\n"
+            "    os.read(ready, 1)\n"
+            "    print('ready', flush=True)\n"
+            "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        assert tree_pss(proc.pid) > 300 * 2**20
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

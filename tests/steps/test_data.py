@@ -196,6 +196,18 @@ def test_prepared_arrays_round_trip_through_parquet(prepared, tmp_path):
     assert Path(prepared.tokenizer_path).is_file()
 
 
+def test_a_list_column_past_the_int32_offsets_holds_every_row():
+    """A token_ids column of 2^16 + 1 rows x 2^15 tokens (more values than a list array's int32
+    offsets can index; a catalog of 17 million products at 128 tokens has as many) is built in
+    chunks with every row intact. The zeros are pages the kernel has not backed: no memory used."""
+    matrix = np.zeros((2**16 + 1, 2**15), dtype=np.int8)
+    matrix[-1] = np.arange(2**15) % 101
+    column = prepared_data._list_column(matrix)
+    assert len(column) == 2**16 + 1
+    assert column[-1].as_py() == matrix[-1].tolist()
+    assert column[2**16 - 1].as_py() == [0] * 2**15
+
+
 def test_training_pairs_are_memory_mapped_not_copied_per_rank(prepared, tmp_path_factory):
     """Every rank of a node maps the same .npy files (one copy in the page cache) instead of
     decoding its own copy of the Parquet file; the values are the Parquet file's."""

@@ -284,6 +284,47 @@ def test_pairs_are_streamed_in_chunks_without_changing_the_result(tmp_path, monk
     assert not (tmp_path / "chunked" / "prepared" / "_work").exists()
 
 
+def test_worker_processes_prepare_the_same_files_as_one_process(dirty_input, tmp_path, monkeypatch):
+    """Worker processes validate the pair files and tokenise the chunks of pairs (one per CPU): with
+    bad records in three pair files and chunks that span them, one, two and three workers write
+    the same files, the quarantine's records in input order included; and but for the quarantine's
+    file names and lines, the files of the same records in one pair file."""
+    from pipeline_steps import preparing, worker_pool
+
+    monkeypatch.setattr(preparing, "PAIR_CHUNK", 37)
+    assert _prepare(tmp_path / "one-file", "--data", str(dirty_input["data"]), "--max-bad-fraction", "0.5") == 0
+    pairs = dirty_input["data"] / "pairs"
+    lines = (pairs / "part-00000.jsonl").read_bytes().splitlines(keepends=True)
+    third = len(lines) // 3
+    for i in range(3):
+        (pairs / f"part-{i:05d}.jsonl").write_bytes(b"".join(lines[i * third:(i + 1) * third if i < 2 else None]))
+    for workers in (1, 2, 3):
+        monkeypatch.setattr(worker_pool, "worker_count", lambda count=workers: count)
+        assert _prepare(tmp_path / f"w{workers}", "--data", str(dirty_input["data"]), "--max-bad-fraction", "0.5") == 0
+    one = tmp_path / "w1" / "prepared"
+    names = sorted(p.name for p in one.iterdir() if p.is_file() and p.name != "prepare.json")
+    assert {"quarantine.jsonl", "train_pairs.parquet", "train_pairs.token_ids.npy"} <= set(names)
+    assert len((one / "quarantine.jsonl").read_text().splitlines()) == len(BAD_PRODUCTS) + len(BAD_PAIRS)
+    for run in ("w2", "w3", "one-file"):
+        for name in names:
+            if run != "one-file" or name != "quarantine.jsonl":
+                assert (tmp_path / run / "prepared" / name).read_bytes() == (one / name).read_bytes(), (run, name)
+
+
+def test_workers_follow_the_cpus_a_container_may_use(tmp_path, monkeypatch):
+    """A container's CPU quota (an AWS Batch job's vCPUs on a larger instance) bounds the workers,
+    not the host's CPU count."""
+    from pipeline_steps import worker_pool
+
+    monkeypatch.setattr(worker_pool.os, "sched_getaffinity", lambda pid: set(range(64)))
+    monkeypatch.setattr(worker_pool, "CGROUP_CPU_MAX", tmp_path / "cpu.max")
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert worker_pool.available_cpus() == 2
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert worker_pool.available_cpus() == 64
+    assert worker_pool.worker_count() == worker_pool.MAX_WORKERS
+
+
 def test_prepare_never_imports_torch(tmp_path):
     """Prepare needs no torch; importing it (its tracking hook once did) costs ~0.9 GB of RSS."""
     probe = ("import sys; from pipeline_steps.__main__ import main\n"
@@ -363,7 +404,8 @@ ODD_TEXTS = ["tab\there", "line\nbreak\r\n", "vt\x0bff\x0c", "fs\x1cgs\x1drs\x1e
 
 def test_prepare_gives_the_same_files_as_the_plain_implementations_on_odd_text(tmp_path, monkeypatch):
     """Whitespace collapsing, encoding by words (with its cache and its cut of long texts), the
-    accent-stripping of queries and the tokenizer's seed characters all have fast paths: on text with
+    accent-stripping of queries, the tokenizer's seed characters and its training on word counts
+    all have fast paths: on text with
     every kind of whitespace, control characters, accents, scripts and long descriptions, prepare
     writes the same files as with the plain implementations (split and join, whole-text encoding,
     per-character loops)."""
@@ -385,6 +427,7 @@ def test_prepare_gives_the_same_files_as_the_plain_implementations_on_odd_text(t
     monkeypatch.setattr(tokenization.WordEncoder, "of", classmethod(lambda cls, tokenizer, max_length: None))
     monkeypatch.setattr(tokenization, "normalise_query", _normalise_query_per_character)
     monkeypatch.setattr(tokenization, "_continuing_subword_tokens", _continuing_subwords_of_whole_texts)
+    monkeypatch.setattr(tokenization, "_word_feed", lambda texts, max_words: texts)
     assert _prepare(tmp_path / "plain", "--data", str(data)) == 0
     fast, plain = tmp_path / "fast" / "prepared", tmp_path / "plain" / "prepared"
     names = sorted(p.name for p in fast.iterdir() if p.is_file() and p.name != "prepare.json")
@@ -392,6 +435,20 @@ def test_prepare_gives_the_same_files_as_the_plain_implementations_on_odd_text(t
     assert names == sorted(p.name for p in plain.iterdir() if p.is_file() and p.name != "prepare.json")
     for name in names:
         assert (fast / name).read_bytes() == (plain / name).read_bytes(), name
+
+
+def test_the_tokenizer_learns_the_most_frequent_words_of_a_large_vocabulary():
+    """A sample with more distinct words than the tokenizer learns from (TOKENIZER_WORDS; its merge
+    loop costs time per distinct word) trains on the most frequent: they become whole tokens, the
+    rarest are left to the pieces; under the bound the vocabulary is the same as from every word."""
+    frequent = ["sofa", "table", "lamp", "chair", "rug"]
+    rare = [f"zq{chr(97 + i // 26)}{chr(97 + i % 26)}x" for i in range(300)]
+    texts = [" ".join(frequent)] * 20 + [f"{w} {w}" for w in rare[:150]] + rare[150:]
+    vocab = tokenization.train_tokenizer(texts, 2000, max_words=len(frequent) + 150).get_vocab()
+    assert set(frequent) <= set(vocab)
+    assert not set(rare[150:]) & set(vocab)
+    assert tokenization.train_tokenizer(texts, 2000, max_words=len(frequent) + 300).get_vocab() == \
+        tokenization.train_tokenizer(texts, 2000, max_words=10**9).get_vocab()
 
 
 def test_the_tokenizer_learns_from_a_sample_bounded_in_characters(tmp_path, monkeypatch):
