@@ -82,7 +82,9 @@ class PipelineStack(Stack):
         alerts = AlertTopic(self, "Alerts", notification_email=config.notification_email)
         self.topic = alerts.topic
         self.slack = slack and SlackChannel(self, "Slack", workspace_id=slack.workspace_id, channel_id=slack.channel_id,
-                                            topic=alerts.topic, log_retention_days=config.log_retention_days)
+                                            topic=alerts.topic, key=alerts.key,
+                                            log_retention_days=config.log_retention_days)
+        chat_topic = self.slack.chat_topic if self.slack else None
         self.ownership = JobOwnership.of(self)
         self.diagnosis = FailureDiagnosis(self, "FailureDiagnosis", stage=stage,
                                           job_log_groups=[t.log_group for t in teams],
@@ -97,14 +99,15 @@ class PipelineStack(Stack):
                                       train_job_definitions=[t.refs["train"] for t in teams],
                                       training_queue=queues[TRAINING_QUEUE], ownership=self.ownership, topic=alerts.topic,
                                       key=alerts.key)
-        job_events = JobEvents(self, "JobEvents", queues=list(queues.values()), topic=alerts.topic, key=alerts.key)
+        job_events = JobEvents(self, "JobEvents", queues=list(queues.values()), topic=alerts.topic, key=alerts.key,
+                               chat_topic=chat_topic)
         self.queue_wait = QueueWaitLimit(self, "QueueWait", queues=list(queues.values()), queue_wait=queue_wait,
                                          ownership=self.ownership, key=alerts.key)
         self.canary = None
         if config.canary_interval_minutes is not None:
             self.canary = Canary(self, "Canary", config=config, queue=queues[SINGLE_NODE_QUEUE],
                                  job_definition=canary_job_definition, topic=alerts.topic, key=alerts.key,
-                                 ownership=self.ownership)
+                                 ownership=self.ownership, chat_topic=chat_topic)
         self._monitoring(stage, alerts, job_events)
         self.team_roles, self.admin_role = self._access(teams, data_bucket, artifacts_bucket, admin_principals,
                                                         [self.stack_name, storage_stack_name or self.stack_name])

@@ -15,10 +15,14 @@ import os
 
 import pytest
 
+from tests.suite_environment import SUITE_ENVIRONMENT
+
 # jsii's Node.js end-of-life banner would drown the test output (Node 20 on CI boxes); set before
 # any test module imports aws_cdk (which starts Node).
 os.environ.setdefault("JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION", "20")
 os.environ.setdefault("JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION", "1")
+for _name, _value in SUITE_ENVIRONMENT.items():  # before any test module imports torch
+    os.environ.setdefault(_name, _value)
 
 # Session fixtures that take from half a minute (a synthesized stage with its cdk-nag checks) to
 # several minutes (run-local on each backend), in the order a test that uses several is grouped by.
@@ -39,6 +43,9 @@ def share_group(item: pytest.Item) -> str | None:
     return None
 
 
+# First: xdist's own hook (on each worker) turns the markers into the scheduling groups, and a hook
+# of a plugin registered after this file runs before it unless this one asks to go first.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not config.pluginmanager.hasplugin("xdist"):  # `-p no:xdist`: no groups, and no unknown marker
         return

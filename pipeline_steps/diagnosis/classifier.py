@@ -248,15 +248,21 @@ class Diagnosis:
         return {"class": self.cls, "retryable": self.retryable, "evidence": [e.as_dict() for e in self.evidence],
                 "suggestion": self.suggestion, "docs": self.docs, "summary": self.summary, "node": self.node}
 
+    @property
+    def retry(self) -> str:
+        return "a retry can help" if self.retryable else "a retry will not help"
+
+    def evidence_lines(self) -> list[str]:
+        return [f"[{e.node} line {e.line}] {e.text}" for e in self.evidence]
+
     def text(self) -> str:
         """The human form: what `diagnose` prints and the failure notification carries."""
-        retry = "a retry can help" if self.retryable else "a retry will not help"
-        lines = [f"Class: {self.cls} ({retry}). {self.summary}"]
+        lines = [f"Class: {self.cls} ({self.retry}). {self.summary}"]
         if self.node is not None:
             lines.append(f"First error on: {self.node}")
         if self.evidence:
             lines.append("Evidence:")
-            lines += [f"  [{e.node} line {e.line}] {e.text}" for e in self.evidence]
+            lines += [f"  {line}" for line in self.evidence_lines()]
         lines += [f"Suggestion: {self.suggestion}", f"Docs: {self.docs}"]
         return "\n".join(lines)
 

@@ -4,7 +4,8 @@ Event: the failure path's state input: run_id and failure = {<failed state>: {Er
 failed Batch job's Cause is its DescribeJobs record: the job is described again and every node's log
 tail classified; any other failure (input checks, S3 documents) is classified from Error and Cause.
 Prints one CloudWatch embedded-metric-format line (PipelineFailures, dimensions Stage and Class)
-and returns {class, retryable, step, node, job_id, evidence, suggestion, docs, subject, text}.
+and returns {class, retryable, step, node, job_id, evidence, suggestion, docs, subject, text, chat}:
+`text` is the e-mail's diagnosis, `chat` the content of the Slack channel's (stacks/constructs/notifications.py).
 Environment: METRIC_NAMESPACE, STAGE.
 """
 
@@ -23,6 +24,11 @@ METRIC_NAME = "PipelineFailures"
 STAGE_DIMENSION, CLASS_DIMENSION = "Stage", "Class"
 _JOB_ID = re.compile(r'"jobId"\s*:\s*"([^"]+)"', re.IGNORECASE)
 _SUBJECT_CHARS = 100  # SNS: ASCII, no line breaks, at most 100 characters
+CHAT_DESCRIPTION_CHARS = 3000
+"""The chat description's bound, a Slack section block's text limit
+(https://api.slack.com/reference/block-kit/blocks#section): the classifier's evidence is bounded
+(MAX_EVIDENCE lines, each cut short) and so is the note here."""
+_NOTE_CHARS = 300
 
 
 def failed_step(failure: Any) -> tuple[str | None, str, str]:
@@ -57,6 +63,22 @@ def _ascii(text: str) -> str:
     return text.encode("ascii", "replace").decode("ascii")
 
 
+def _chat(run_id: str, step: str | None, where: str, diagnosis: Diagnosis, note: str | None) -> dict:
+    """The content of a Chatbot custom notification (Slack markdown): the facts, the evidence as a
+    code block, the suggestion and the docs as next steps."""
+    lines = [f"*Failed step:* {where}", f"*Class:* `{diagnosis.cls}` ({diagnosis.retry}). {diagnosis.summary}"]
+    if diagnosis.node is not None:
+        lines.append(f"*First error on:* {diagnosis.node}")
+    if note:
+        lines.append(f"*Note:* {note if len(note) <= _NOTE_CHARS else note[:_NOTE_CHARS - 3] + '...'}")
+    if diagnosis.evidence:
+        lines += ["*Evidence:*", "```", *diagnosis.evidence_lines(), "```"]
+    return {"description": "\n".join(lines),
+            "nextSteps": [diagnosis.suggestion, f"Docs: {diagnosis.docs}",
+                          f"`trainium-runs why {run_id}`: the same diagnosis, from the job's logs"],
+            "keywords": [diagnosis.cls, *([step] if step else [])]}
+
+
 def _message(run_id: str, step: str | None, job_id: str | None, diagnosis: Diagnosis, note: str | None) -> dict:
     where = f"{step} (job {job_id})" if job_id else str(step)
     text = f"Failed step: {where}\n{diagnosis.text()}\n"
@@ -64,7 +86,7 @@ def _message(run_id: str, step: str | None, job_id: str | None, diagnosis: Diagn
         text += f"Note: {note}\n"
     subject = " ".join(f"Run {run_id} failed in {step}: {diagnosis.cls}".split())
     return {**diagnosis.as_dict(), "step": step, "job_id": job_id, "subject": _ascii(subject)[:_SUBJECT_CHARS],
-            "text": _ascii(text) + "\n"}
+            "text": _ascii(text) + "\n", "chat": _chat(run_id, step, where, diagnosis, note)}
 
 
 def classify_failure(event: dict[str, Any], batch: Any, logs: Any) -> dict[str, Any]:

@@ -10,7 +10,6 @@ from aws_cdk import aws_batch as batch
 from aws_cdk import aws_cloudwatch as cw
 from aws_cdk import aws_cloudwatch_actions as cw_actions
 from aws_cdk import aws_events as events
-from aws_cdk import aws_events_targets as targets
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_kms as kms
 from aws_cdk import aws_scheduler as scheduler
@@ -22,6 +21,7 @@ from pipeline_contract import CANARY
 from stacks.constructs.job_definitions import JobDefinitionRef
 from stacks.constructs.job_ownership import JobOwnership
 from stacks.constructs.log_delivery import encrypted_log_group, log_events_to
+from stacks.constructs.notifications import event_targets
 from stacks.constructs.service_principals import events_role
 from stacks.pipeline_config import PipelineConfig
 
@@ -31,7 +31,8 @@ class Canary(Construct):
 
     def __init__(self, scope: Construct, construct_id: str, *, config: PipelineConfig, queue: batch.IJobQueue,
                  job_definition: JobDefinitionRef, topic: sns.ITopic, key: kms.IKey,
-                 ownership: JobOwnership) -> None:
+                 ownership: JobOwnership, chat_topic: sns.ITopic | None = None) -> None:
+        """`chat_topic`: the Slack channel's topic for EventBridge's notifications (notifications.py)."""
         super().__init__(scope, construct_id)
         if config.canary_interval_minutes is None:
             raise ValueError("Canary: config.canary_interval_minutes is None (the canary is disabled); "
@@ -82,10 +83,10 @@ class Canary(Construct):
             self, "FailedRule",
             event_pattern=events.EventPattern(source=["aws.batch"], detail_type=["Batch Job State Change"],
                                               detail={**detail, "status": ["FAILED"]}),
-            targets=[targets.SnsTopic(topic, role=events_role(self, "NotifyRole", description=(
-                "EventBridge: publish failed canaries to the alert topic")), message=events.RuleTargetInput.from_text(
-                f"Canary job {events.EventField.from_path('$.detail.jobId')} failed: "
-                f"{events.EventField.from_path('$.detail.statusReason')}"))])
+            targets=event_targets(topic, chat_topic, events_role(self, "NotifyRole", description=(
+                "EventBridge: publish failed canaries to the alert topic")), title="Canary job failed",
+                text=f"Canary job {events.EventField.from_path('$.detail.jobId')} failed: "
+                     f"{events.EventField.from_path('$.detail.statusReason')}"))
         self._alarm_when_not_succeeding(topic, minutes)
 
     def _alarm_when_not_succeeding(self, topic: sns.ITopic, minutes: int) -> None:

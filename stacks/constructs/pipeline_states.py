@@ -1,6 +1,7 @@
 """The raw-ASL states every part of the training pipeline builds on: S3 and SNS service tasks with
-bounded retries, notifications that cannot change a run's outcome, and the one failure path
-(classify the failure, then notify: the classifier can fail, the notification still goes out).
+bounded retries, notifications that cannot change a run's outcome (text for e-mail, a custom
+notification for Slack: notifications.py), and the one failure path (classify the failure, then
+notify: the classifier can fail, the notification still goes out).
 Service integrations: https://docs.aws.amazon.com/step-functions/latest/dg/supported-services-awssdk.html
 """
 
@@ -12,6 +13,7 @@ from aws_cdk import aws_sns as sns
 from aws_cdk import aws_stepfunctions as sfn
 from constructs import Construct
 
+from stacks.constructs.notifications import compose, publish_parameters
 from stacks.pipeline_config import PipelineConfig
 
 # A Task without TimeoutSeconds may wait as long as the execution itself may run
@@ -48,18 +50,19 @@ class PipelineStates:
 
     # ---- failure path: classify, one notification, then Fail ----------------------------------
     def _failure_path(self) -> sfn.CustomState:
-        """DiagnoseFailure -> NotifyFailure -> Failed; returns DiagnoseFailure."""
+        """DiagnoseFailure -> NotifyFailureMessage -> NotifyFailure -> Failed; returns DiagnoseFailure."""
         failed = sfn.Fail(self.scope, "Failed", error="PipelineFailed",
                           cause="A pipeline step failed; see the SNS notification and the execution history.")
         # $.failure has one key, the failed state's name, holding {Error, Cause}; for a failed
         # Batch job the Cause is the DescribeJobs record (JobId, StatusReason, exit code). The raw
-        # failure is always in the message, whatever the classifier said or whether it ran.
+        # failure is always in the e-mail, whatever the classifier said or whether it ran; the chat
+        # gets the diagnosis only (a bounded text: handler.CHAT_DESCRIPTION_CHARS).
         notify_failure = self.sns_publish(
-            "NotifyFailure", subject_path="$.diagnosis.subject",
-            message="States.Format('Run {} failed. {}Raw failure (failed step, error and cause): {}', "
-                    "$.run_id, $.diagnosis.text, States.JsonToString($.failure))")
-        notify_failure.add_catch(failed, errors=["States.ALL"], result_path="$.notify_error")
-        notify_failure.next(failed)
+            "NotifyFailure", subject_path="$.diagnosis.subject", then=failed, on_error=failed,
+            text="States.Format('Run {} failed. {}Raw failure (failed step, error and cause): {}', "
+                 "$.run_id, $.diagnosis.text, States.JsonToString($.failure))",
+            content={"title.$": "$.diagnosis.subject", "description.$": "$.diagnosis.chat.description",
+                     "nextSteps.$": "$.diagnosis.chat.nextSteps", "keywords.$": "$.diagnosis.chat.keywords"})
         return self._diagnose(then=notify_failure)
 
     def _diagnose(self, then: sfn.CustomState) -> sfn.CustomState:
@@ -71,7 +74,7 @@ class PipelineStates:
             "Resource": "arn:aws:states:::lambda:invoke",
             "Parameters": {"FunctionName": self._classifier.function_arn, "Payload.$": "$"},
             "ResultSelector": {"class.$": "$.Payload.class", "subject.$": "$.Payload.subject",
-                               "text.$": "$.Payload.text"},
+                               "text.$": "$.Payload.text", "chat.$": "$.Payload.chat"},
             "ResultPath": "$.diagnosis",
             "TimeoutSeconds": DIAGNOSIS_TIMEOUT_SECONDS,
         })
@@ -82,6 +85,14 @@ class PipelineStates:
                 "class": "unclassified",
                 "subject": "Training pipeline run failed",
                 "text.$": "States.Format('(The automatic classification failed: {}.) ', $.diagnosis_error.Error)",
+                "chat": {
+                    "description.$": "States.Format('The automatic classification failed ({}): the raw error and "
+                                     "cause are in the e-mail notification and the execution history.', "
+                                     "$.diagnosis_error.Error)",
+                    "nextSteps.$": "States.Array(States.Format('`trainium-runs why {}` classifies the failure "
+                                   "from the job logs', $.run_id))",
+                    "keywords": ["unclassified"],
+                },
             },
             "ResultPath": "$.diagnosis",
         })
@@ -127,21 +138,27 @@ class PipelineStates:
         self.service_retry(state, retry_errors)
         return state
 
-    def sns_publish(self, name: str, *, message: str, subject: str | None = None,
-                    subject_path: str | None = None) -> sfn.CustomState:
-        """`subject` as is, or the state input's `subject_path`; `message` is a path or intrinsic."""
+    def sns_publish(self, name: str, *, text: str, then: sfn.IChainable, on_error: sfn.IChainable,
+                    subject: str | None = None, subject_path: str | None = None,
+                    content: dict | None = None) -> sfn.CustomState:
+        """`<name>Message` (notifications.compose: `text`, a path or intrinsic, and the chat's
+        `content`, by default `subject` over the text) -> `<name>`, the publish: retried, then
+        `on_error`, else `then`. `subject` as is, or the state input's `subject_path`. Returns the first."""
+        message = compose(self.scope, name, text=text, content=content, title=subject)
         subject_field = {"Subject": subject} if subject_path is None else {"Subject.$": subject_path}
         state = self.raw(name, {
             "Type": "Task",
             "Resource": "arn:aws:states:::sns:publish",
-            "Parameters": {"TopicArn": self._topic.topic_arn, **subject_field, "Message.$": message,
-                           **self._team_attribute()},
+            "Parameters": {**publish_parameters(self._topic.topic_arn), **subject_field, **self._team_attribute()},
             # Keep the run data for the next state (None cannot be expressed: jsii drops it).
             "ResultPath": "$.notified",
             "TimeoutSeconds": SERVICE_TASK_TIMEOUT_SECONDS,
         })
         self.service_retry(state, ("States.TaskFailed", "States.Timeout"))
-        return state
+        state.add_catch(on_error, errors=["States.ALL"], result_path="$.notify_error")
+        message.next(state)
+        state.next(then)
+        return message
 
     def _team_attribute(self) -> dict:
         if self._team is None:
@@ -152,11 +169,8 @@ class PipelineStates:
         """A notification that cannot change the outcome: if it still fails after its retries,
         `<name>Undelivered` records the error (execution log; Monitoring alarms on it) and the run
         ends where it would have ended anyway."""
-        notify = self.sns_publish(name, subject=subject, message=message)
         undelivered = self.raw(f"{name}{UNDELIVERED_SUFFIX}", {"Type": "Pass"})
         self.undelivered_states.append(undelivered.state_id)
-        notify.add_catch(undelivered, errors=["States.ALL"], result_path="$.notify_error")
-        notify.next(end)
         undelivered.next(end)
-        return notify
+        return self.sns_publish(name, subject=subject, text=message, then=end, on_error=undelivered)
 

@@ -1,4 +1,5 @@
-"""The notification topic in a Slack channel through AWS Chatbot (optional, per stage).
+"""The notification topic in a Slack channel through AWS Chatbot (optional, per stage), and a second
+topic only the channel subscribes to, for what EventBridge rules render for chat (notifications.py).
 
 Notifications only: the channel role has no permissions and the guardrail (CloudWatch read-only,
 which caps the channel role and every user role) lets nobody act on the account from Slack; an
@@ -13,6 +14,7 @@ from __future__ import annotations
 from aws_cdk import Stack
 from aws_cdk import aws_chatbot as chatbot
 from aws_cdk import aws_iam as iam
+from aws_cdk import aws_kms as kms
 from aws_cdk import aws_sns as sns
 from cdk_nag import NagSuppressions
 from constructs import Construct
@@ -25,16 +27,19 @@ GUARDRAIL_POLICY = "CloudWatchReadOnlyAccess"
 
 
 class SlackChannel(Construct):
-    """A Chatbot Slack channel configuration subscribed to `topic`. Public: `configuration`."""
+    """A Chatbot Slack channel configuration subscribed to `topic` and to `chat_topic` (encrypted with
+    `key`, as `topic`). Public: `configuration`, `chat_topic`."""
 
     def __init__(self, scope: Construct, construct_id: str, *, workspace_id: str, channel_id: str,
-                 topic: sns.ITopic, log_retention_days: int) -> None:
+                 topic: sns.ITopic, key: kms.IKey, log_retention_days: int) -> None:
         super().__init__(scope, construct_id)
+        self.chat_topic = sns.Topic(self, "ChatTopic", master_key=key, enforce_ssl=True,
+                                    display_name="Embedding training pipeline (Slack)")
         self.configuration = chatbot.SlackChannelConfiguration(
             self, "Configuration",
             slack_channel_configuration_name=f"{Stack.of(self).stack_name}-notifications",
             slack_workspace_id=workspace_id, slack_channel_id=channel_id,
-            notification_topics=[topic],
+            notification_topics=[topic, self.chat_topic],
             guardrail_policies=[iam.ManagedPolicy.from_aws_managed_policy_name(GUARDRAIL_POLICY)],
             user_role_required=False,
             logging_level=chatbot.LoggingLevel.ERROR,

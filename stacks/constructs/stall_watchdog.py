@@ -33,6 +33,7 @@ from pipeline_contract import (
 from stacks.constructs.job_definitions import JobDefinitionRef
 from stacks.constructs.job_ownership import JobOwnership
 from stacks.constructs.log_delivery import encrypted_log_group
+from stacks.constructs.notifications import compose, publish_parameters
 from stacks.constructs.service_principals import events_role
 from stacks.pipeline_config import PipelineConfig
 
@@ -255,7 +256,7 @@ class StallWatchdog(Construct):
         return last_step
 
     def _terminate_and_notify(self) -> sfn.IChainable:
-        """TerminateStalledJob -> NotifyTerminated -> DisarmAfterTerminate."""
+        """TerminateStalledJob -> NotifyTerminatedMessage -> NotifyTerminated -> DisarmAfterTerminate."""
         cfg = self._config
         reason = (f"No training progress heartbeat for {cfg.stall_timeout_minutes} minutes, or none within "
                   f"{cfg.first_heartbeat_minutes} minutes of the job starting (stall watchdog)")
@@ -266,15 +267,14 @@ class StallWatchdog(Construct):
             "ResultPath": "$.result",
         })
         self._retry(terminate)
+        subject = "Training job terminated: no progress"
+        message = compose(self, "NotifyTerminated", title=subject,
+                          text=f"States.Format('Run {{}}: terminated Batch job {{}} ({reason}). Last completed step: "
+                               f"{{}}. Alarm {{}}.', $.watch.run_id, $.watch.job_id, $.last_step.text, $.alarm_name)")
         notify = self._raw("NotifyTerminated", {
             "Type": "Task",
             "Resource": "arn:aws:states:::sns:publish",
-            "Parameters": {
-                "TopicArn": self._topic.topic_arn,
-                "Subject": "Training job terminated: no progress",
-                "Message.$": f"States.Format('Run {{}}: terminated Batch job {{}} ({reason}). Last completed step: "
-                             f"{{}}. Alarm {{}}.', $.watch.run_id, $.watch.job_id, $.last_step.text, $.alarm_name)",
-            },
+            "Parameters": {**publish_parameters(self._topic.topic_arn), "Subject": subject},
             "ResultPath": "$.result",
             "TimeoutSeconds": 60,
         })
@@ -282,7 +282,8 @@ class StallWatchdog(Construct):
         disarm = self._disarm("DisarmAfterTerminate", "$.alarm_name")
         # The job is already terminated: a lost notification must not keep the alarm alive.
         notify.add_catch(disarm, errors=["States.ALL"], result_path="$.notify_error")
-        terminate.next(notify)
+        terminate.next(message)
+        message.next(notify)
         notify.next(disarm)
         return terminate
 

@@ -55,6 +55,7 @@ from tests.e2e.substitutions import (
     SUBSTITUTIONS,
     XLA_ACROSS_PROCESSES,
 )
+from tests.suite_environment import SUITE_ENVIRONMENT
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENTRYPOINT = REPO_ROOT / "training_image" / "entrypoint.sh"
@@ -340,7 +341,7 @@ class LocalBatch:
             "HOME": os.environ.get("HOME", str(setup.work_dir)),
             "PYTHONPATH": str(REPO_ROOT),
             "PYTHONUNBUFFERED": "1",  # as the image sets it
-            "OMP_NUM_THREADS": "1",  # 2 shared cores: no thread oversubscription across nodes
+            **SUITE_ENVIRONMENT,  # one thread per process on 2 shared cores; XLA's CPU compile at -O0
             "TMPDIR": str(setup.work_dir / "tmp"),
             "AWS_ENDPOINT_URL": setup.endpoint_url,
             "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",

@@ -45,7 +45,7 @@ def product_ids(source) -> set[str]:
 def test_upload_starts_a_run_that_runs_every_step_and_publishes(e2e_world, first_run):
     assert first_run.status == "SUCCEEDED", e2e_world.format_path(first_run)
     assert [s for s in first_run.visited if s in BATCH_STATES] == BATCH_STATES
-    assert first_run.visited[-3:] == ["Publish", "NotifyPublished", "Done"]
+    assert first_run.visited[-4:] == ["Publish", "NotifyPublishedMessage", "NotifyPublished", "Done"]
     # The starter named the run after the upload, so every job ran in /fsx/runs/<dataset>-<version>.
     assert {job.parameters["run_id"] for job in first_run.jobs} == {f"{DATASET}-v1"}
     by_step = {job.definition: job for job in first_run.jobs}
@@ -129,7 +129,7 @@ def test_a_second_upload_trains_incrementally_from_the_published_model(rejected_
 def test_the_worse_model_is_gated_against_the_published_metrics_and_rejected(e2e_world, rejected_run):
     result = rejected_run.result
     assert result.status == "SUCCEEDED", e2e_world.format_path(result)  # a rejection is not a failure
-    assert result.visited[-3:] == ["GatePassed", "NotifyGateFailed", "ModelRejected"]
+    assert result.visited[-4:] == ["GatePassed", "NotifyGateFailedMessage", "NotifyGateFailed", "ModelRejected"]
     assert "Embed" not in result.visited and "Publish" not in result.visited
     validate = next(job for job in result.jobs if job.definition == "validate")
     assert validate.parameters["previous_metrics"] == run_path(f"{DATASET}-v1", VALIDATION_METRICS)

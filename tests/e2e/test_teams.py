@@ -89,7 +89,8 @@ def test_the_full_teams_run_fails_at_its_first_write_with_the_storage_class(team
     (_, config), (results, notifications, full) = teams, runs
     assert full == 1024 * 1024 == config.teams[0].fsx_quota_kib * 1024  # the boot applied the team's quota
     search = results["search"]
-    assert search.status == "FAILED" and search.visited[-3:] == ["DiagnoseFailure", "NotifyFailure", "Failed"]
+    assert search.status == "FAILED"
+    assert search.visited[-4:] == ["DiagnoseFailure", "NotifyFailureMessage", "NotifyFailure", "Failed"]
     (prepare,) = search.jobs
     assert prepare.definition == "prepare" and prepare.attempts[-1].exit_code == 1
     assert "No space left on device" in prepare.attempts[-1].logs[0].read_text()
@@ -100,7 +101,8 @@ def test_the_full_teams_run_fails_at_its_first_write_with_the_storage_class(team
 def test_the_other_teams_run_goes_on_in_its_own_paths_and_publishes_its_own_model(teams, runs):
     (world, _), (results, notifications, _) = teams, runs
     ads = results["ads"]
-    assert ads.status == "SUCCEEDED" and ads.visited[-3:] == ["Publish", "NotifyPublished", "Done"]
+    assert ads.status == "SUCCEEDED"
+    assert ads.visited[-4:] == ["Publish", "NotifyPublishedMessage", "NotifyPublished", "Done"]
     assert {job.parameters["run_id"] for job in ads.jobs} == {f"ads/{DATASET}-v1"}
     assert {job.parameters["data_uri"] for job in ads.jobs if job.definition == "prepare"} == \
         {f"/fsx/data/incoming/ads/{DATASET}/v1"}

@@ -9,6 +9,7 @@ import json
 import time
 
 import boto3
+from moto.sns import sns_backends
 
 from tests.infra.pipeline_fixtures import ENV, JOB_DEFINITIONS, synthesized
 
@@ -110,5 +111,12 @@ class PipelineWorld:
         return json.loads(self.s3.get_object(Bucket=ARTIFACTS, Key="models/current.json")["Body"].read())
 
     def notifications(self) -> list[str]:
+        """What a subscriber without a rendering of its own receives (an SQS queue: "default")."""
         out = self._sqs.receive_message(QueueUrl=self._queue_url, MaxNumberOfMessages=10).get("Messages", [])
         return [m["Body"] for m in out]
+
+    def published(self) -> list[tuple[str, str | None]]:
+        """(Message, Subject) of every Publish to the topic, as the state machines sent it: moto's
+        SNS keeps them on the topic, before each subscription takes its protocol's rendering."""
+        topic = sns_backends[ENV.account][REGION].topics[self.topic_arn]
+        return [(message, subject) for _, message, subject, _, _ in topic.sent_notifications]

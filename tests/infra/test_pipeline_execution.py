@@ -18,6 +18,7 @@ from moto.stepfunctions.parser.asl.component.state.exec.state_task.service impor
 )
 
 from stacks.constructs.stall_watchdog import HEARTBEAT_POLL_MINUTES
+from tests.chatbot_notification import custom_notification_content
 from tests.infra.moto_batch import patched_moto_batch
 from tests.infra.pipeline_fixtures import ENV, QUEUE_WAIT, TEST_CONFIG
 from tests.infra.pipeline_world import ARTIFACTS, DATA, REGION, PipelineWorld
@@ -27,7 +28,8 @@ INPUT_CHECKS = ["PrepareInputChecks", "Check_dataset", "Check_version", "Check_d
                 "InputValid", "LocateData", "DataDepth", "DataPrefix_3", "ListData", "DataFound"]
 HAPPY_PATH = ["InputShape", "InputIsObject", "Defaults", "ApplyDefaults", *INPUT_CHECKS, "ReadCurrentModel", "NoProductionModel", "ApplyBaseline",
               "Prepare", "PrepareShards", "PrepareFinish", "Sanity", "Compile", "Train", "Validate", "ReadGate", "GateReportValid", "GatePassed", "Embed",
-              "Export", "ReadPublishedModel", "PointerRecord", "Publish", "NotifyPublished", "Done"]
+              "Export", "ReadPublishedModel", "PointerRecord", "Publish", "NotifyPublishedMessage", "NotifyPublished",
+              "Done"]
 
 
 def data(upload: str = "catalog/v1", **extra) -> dict:
@@ -124,7 +126,7 @@ def test_failing_train_job_takes_the_failure_path_and_notifies(aws):
     aws.hooks.fail_job_definitions.add("train")
     desc, visited = aws.run(aws.pipeline_arn, "run-3", data(init_from="/fsx/runs/x"))
     assert desc["status"] == "FAILED"
-    assert visited[-4:] == ["Train", "DiagnoseFailure", "NotifyFailure", "Failed"]
+    assert visited[-5:] == ["Train", "DiagnoseFailure", "NotifyFailureMessage", "NotifyFailure", "Failed"]
     assert "Validate" not in visited
     (message,) = [n for n in aws.notifications() if "failed" in n]
     assert "run-3" in message and '"Train"' in message and "JobId" in message
@@ -164,7 +166,7 @@ def test_a_failed_job_is_classified_from_its_log_and_the_notification_says_what_
     _fail_job_with_log(aws, "train", TRAIN_LOG, exit_code=75, reason="Essential container in task exited")
     desc, visited = aws.run(aws.pipeline_arn, "run-hbm", data())
     assert desc["status"] == "FAILED"
-    assert visited[-4:] == ["Train", "DiagnoseFailure", "NotifyFailure", "Failed"]
+    assert visited[-5:] == ["Train", "DiagnoseFailure", "NotifyFailureMessage", "NotifyFailure", "Failed"]
     (result,) = aws.hooks.lambda_results
     assert result["class"] == "device_unavailable" and result["step"] == "Train" and result["retryable"] is True
     assert result["subject"] == "Run run-hbm failed in Train: device_unavailable"
@@ -179,15 +181,50 @@ def test_a_failed_job_is_classified_from_its_log_and_the_notification_says_what_
     assert emf["_aws"]["CloudWatchMetrics"][0]["Dimensions"] == [["Stage", "Class"]]
 
 
+def _renderings(aws, subject_has: str) -> tuple[str, dict]:
+    """The e-mail text and the chat content of the one notification whose subject has `subject_has`."""
+    ((message, subject),) = [(m, s) for m, s in aws.published() if subject_has in (s or "")]
+    renderings = json.loads(message)  # MessageStructure json: one rendering per protocol
+    assert set(renderings) == {"default", "email", "https"} and renderings["default"] == renderings["email"]
+    content = custom_notification_content(json.loads(renderings["https"]))
+    assert content["title"] == subject
+    return renderings["email"], content
+
+
+def test_the_failure_reaches_email_as_text_and_slack_as_a_custom_notification(aws):
+    _fail_job_with_log(aws, "train", TRAIN_LOG, exit_code=75, reason="Essential container in task exited")
+    desc, _ = aws.run(aws.pipeline_arn, "run-chat", data())
+    assert desc["status"] == "FAILED"
+    email, chat = _renderings(aws, "run-chat failed")
+    assert [email] == [n for n in aws.notifications() if "failed" in n]  # what e-mail and SQS receive
+    assert email.startswith("Run run-chat failed. Failed step: Train (job ")
+    (result,) = aws.hooks.lambda_results
+    description = chat["description"]
+    assert description.startswith(f"*Failed step:* Train (job {result['job_id']})\n*Class:* `device_unavailable` ")
+    assert "*First error on:* main" in description
+    assert "```\n[main line 2] 2026-Nov-24 03:05:49.7287 2301:2410 ERROR  TDRV:tdrv_init  Uncorrectable HBM" \
+        in description
+    assert "JobId" not in description  # the raw DescribeJobs record stays in the e-mail
+    suggestion, docs, why = chat["nextSteps"]
+    assert suggestion == result["suggestion"] and suggestion.startswith("A hardware error")
+    assert docs == f"Docs: {result['docs']}" and "`trainium-runs why run-chat`" in why
+    assert chat["keywords"] == ["device_unavailable", "Train"]
+
+
 def test_a_failing_classifier_never_blocks_the_notification_nor_hides_the_failure(aws):
     aws.hooks.fail_job_definitions.add("train")
     aws.hooks.fail_lambda = True
     desc, visited = aws.run(aws.pipeline_arn, "run-noclass", data())
     assert desc["status"] == "FAILED"
-    assert visited[-5:] == ["Train", "DiagnoseFailure", "DiagnosisUnavailable", "NotifyFailure", "Failed"]
+    assert visited[-6:] == ["Train", "DiagnoseFailure", "DiagnosisUnavailable", "NotifyFailureMessage", "NotifyFailure",
+                            "Failed"]
     (message,) = [n for n in aws.notifications() if "failed" in n]
     assert message.startswith("Run run-noclass failed. (The automatic classification failed: RuntimeError.)")
     assert '"Train":{"Error":"States.TaskFailed"' in message and "JobId" in message
+    email, chat = _renderings(aws, "run failed")
+    assert email == message and chat["keywords"] == ["unclassified"]
+    assert chat["description"].startswith("The automatic classification failed (RuntimeError)")
+    assert chat["nextSteps"] == ["`trainium-runs why run-noclass` classifies the failure from the job logs"]
 
 
 def test_a_classifier_returning_nothing_usable_still_notifies(aws):
@@ -204,11 +241,13 @@ def test_failing_gate_skips_embed_and_publish(aws):
     aws.put_gate("run-4", passed=False)
     desc, visited = aws.run(aws.pipeline_arn, "run-4", data())
     assert desc["status"] == "SUCCEEDED"
-    assert visited[-3:] == ["GatePassed", "NotifyGateFailed", "ModelRejected"]
+    assert visited[-4:] == ["GatePassed", "NotifyGateFailedMessage", "NotifyGateFailed", "ModelRejected"]
     assert "Embed" not in visited and "Export" not in visited and "Publish" not in visited
     with pytest.raises(aws.s3.exceptions.NoSuchKey):
         aws.s3.get_object(Bucket=ARTIFACTS, Key="models/current.json")
-    assert any("quality gate" in n for n in aws.notifications())
+    (message,) = [n for n in aws.notifications() if "quality gate" in n]
+    email, chat = _renderings(aws, "quality gate")
+    assert email == chat["description"] == message and '"passed":false' in message
 
 
 def test_throttled_submit_is_retried(aws):
@@ -225,7 +264,7 @@ def test_empty_input_fails_before_any_job_with_one_notification_listing_the_fixe
     desc, visited = aws.run(aws.pipeline_arn, "run-empty", {})
     assert desc["status"] == "FAILED"
     assert aws.hooks.submitted == []
-    assert visited[-4:] == ["InvalidInput", "DiagnoseFailure", "NotifyFailure", "Failed"]
+    assert visited[-5:] == ["InvalidInput", "DiagnoseFailure", "NotifyFailureMessage", "NotifyFailure", "Failed"]
     (message,) = aws.notifications()
     assert "run-empty" in message and "version: the data version" in message
     assert "Failed step: InvalidInput" in message and "Class: bad_config" in message
@@ -247,7 +286,7 @@ def test_empty_input_fails_before_any_job_with_one_notification_listing_the_fixe
 def test_every_bad_field_is_named_in_one_notification_before_any_job(aws, bad, fixes):
     desc, visited = aws.run(aws.pipeline_arn, "run-bad", data(**bad))
     assert desc["status"] == "FAILED" and aws.hooks.submitted == []
-    assert visited[-4:] == ["InvalidInput", "DiagnoseFailure", "NotifyFailure", "Failed"]
+    assert visited[-5:] == ["InvalidInput", "DiagnoseFailure", "NotifyFailureMessage", "NotifyFailure", "Failed"]
     (message,) = aws.notifications()
     for fix in fixes:
         assert fix in message
@@ -257,7 +296,7 @@ def test_every_bad_field_is_named_in_one_notification_before_any_job(aws, bad, f
 def test_missing_data_fails_before_any_job(aws):
     desc, visited = aws.run(aws.pipeline_arn, "run-nodata", data("catalog/v9"))
     assert desc["status"] == "FAILED" and aws.hooks.submitted == []
-    assert visited[-5:] == ["DataFound", "NoData", "DiagnoseFailure", "NotifyFailure", "Failed"]
+    assert visited[-6:] == ["DataFound", "NoData", "DiagnoseFailure", "NotifyFailureMessage", "NotifyFailure", "Failed"]
     (message,) = aws.notifications()
     assert f"No objects under s3://{DATA}/incoming/catalog/v9/" in message
     assert "Class: bad_input" in message
@@ -267,7 +306,8 @@ def test_missing_data_fails_before_any_job(aws):
 def test_an_input_that_is_not_a_json_object_reaches_the_failure_notification(aws, payload):
     desc, visited = aws.run(aws.pipeline_arn, "run-shape", payload)
     assert desc["status"] == "FAILED" and aws.hooks.submitted == []
-    assert visited == ["InputShape", "InputIsObject", "InputNotAnObject", "DiagnoseFailure", "NotifyFailure", "Failed"]
+    assert visited == ["InputShape", "InputIsObject", "InputNotAnObject", "DiagnoseFailure", "NotifyFailureMessage",
+                       "NotifyFailure", "Failed"]
     (message,) = [n for n in aws.notifications() if "run-shape" in n]
     assert "The execution input must be a JSON object" in message
 
@@ -278,7 +318,7 @@ def test_undelivered_published_notification_leaves_a_succeeded_run(aws):
     aws.hooks.fail_sns_subjects.add("new model published")
     desc, visited = aws.run(aws.pipeline_arn, "run-quiet", data())
     assert desc["status"] == "SUCCEEDED", desc
-    assert visited[-3:] == ["NotifyPublished", "NotifyPublishedUndelivered", "Done"]
+    assert visited[-4:] == ["NotifyPublishedMessage", "NotifyPublished", "NotifyPublishedUndelivered", "Done"]
     assert aws.current_model()["run_id"] == "run-quiet"
     assert aws.hooks.sns_attempts["new model published"] == 1 + TEST_CONFIG.retry_max_attempts
 
@@ -290,7 +330,7 @@ def test_run_of_an_older_version_finishing_last_does_not_replace_the_newer_model
     assert aws.run(aws.pipeline_arn, "run-new", data("catalog/v2"))[0]["status"] == "SUCCEEDED"
     desc, visited = aws.run(aws.pipeline_arn, "run-old", data("catalog/v1"))
     assert desc["status"] == "SUCCEEDED", desc
-    assert visited[-3:] == ["NewerModelPublished", "NotifySuperseded", "ModelSuperseded"]
+    assert visited[-4:] == ["NewerModelPublished", "NotifySupersededMessage", "NotifySuperseded", "ModelSuperseded"]
     assert aws.current_model()["run_id"] == "run-new"
     assert any("was not published" in n and "run-new" in n for n in aws.notifications())
 
@@ -301,7 +341,8 @@ def test_newer_version_replaces_with_a_conditional_write(aws):
     assert aws.run(aws.pipeline_arn, "run-a", data("catalog/v1"))[0]["status"] == "SUCCEEDED"
     desc, visited = aws.run(aws.pipeline_arn, "run-b", data("catalog/v2"))
     assert desc["status"] == "SUCCEEDED", desc
-    assert visited[-4:] == ["PointerRecordReplace", "PublishReplacement", "NotifyPublished", "Done"]
+    assert visited[-5:] == ["PointerRecordReplace", "PublishReplacement", "NotifyPublishedMessage", "NotifyPublished",
+                            "Done"]
     assert aws.current_model()["run_id"] == "run-b"
 
 
@@ -315,8 +356,8 @@ def test_publish_race_a_newer_model_written_between_read_and_write_wins(aws):
     assert desc["status"] == "SUCCEEDED", desc
     conflict = visited.index("PublishConflict")
     assert visited[conflict - 1] == "PublishReplacement"
-    assert visited[conflict + 1:] == ["PublishAgain", "ReadPublishedModel", "NewerModelPublished", "NotifySuperseded",
-                                      "ModelSuperseded"]
+    assert visited[conflict + 1:] == ["PublishAgain", "ReadPublishedModel", "NewerModelPublished",
+                                      "NotifySupersededMessage", "NotifySuperseded", "ModelSuperseded"]
     assert aws.current_model()["run_id"] == "run-new"
 
 
@@ -328,7 +369,7 @@ def test_first_publish_race_creates_only_once(aws):
     desc, visited = aws.run(aws.pipeline_arn, "run-late", data("catalog/v2"))
     assert desc["status"] == "SUCCEEDED", desc
     assert visited.count("ReadPublishedModel") == 2 and "PublishConflict" in visited
-    assert visited[-2:] == ["NotifySuperseded", "ModelSuperseded"]
+    assert visited[-3:] == ["NotifySupersededMessage", "NotifySuperseded", "ModelSuperseded"]
     assert aws.current_model()["run_id"] == "run-first"
 
 
@@ -337,7 +378,8 @@ def test_current_model_without_checkpoint_fails_with_a_notification(aws):
     aws.s3.put_object(Bucket=ARTIFACTS, Key="models/current.json", Body=json.dumps({"run_id": "old"}))
     desc, visited = aws.run(aws.pipeline_arn, "run-m1", data())
     assert desc["status"] == "FAILED" and aws.hooks.submitted == []
-    assert visited[-4:] == ["MalformedCurrentModel", "DiagnoseFailure", "NotifyFailure", "Failed"]
+    assert visited[-5:] == ["MalformedCurrentModel", "DiagnoseFailure", "NotifyFailureMessage", "NotifyFailure",
+                            "Failed"]
     (message,) = aws.notifications()
     assert "needs string fields checkpoint and run_id" in message
 
@@ -346,7 +388,7 @@ def test_gate_report_without_metrics_fails_with_a_notification(aws):
     aws.s3.put_object(Bucket=ARTIFACTS, Key="runs/run-m2/validation/gate.json", Body=json.dumps({"passed": True}))
     desc, visited = aws.run(aws.pipeline_arn, "run-m2", data())
     assert desc["status"] == "FAILED"
-    assert visited[-4:] == ["MalformedGateReport", "DiagnoseFailure", "NotifyFailure", "Failed"]
+    assert visited[-5:] == ["MalformedGateReport", "DiagnoseFailure", "NotifyFailureMessage", "NotifyFailure", "Failed"]
     assert "Embed" not in visited
     (message,) = aws.notifications()
     assert "needs a boolean passed and a metrics object" in message
@@ -487,7 +529,8 @@ def test_watchdog_terminates_a_stalled_job_and_names_run_job_and_last_step(aws):
     (alarm,) = _alarms(aws)
     desc, visited = aws.run(aws.watchdog_arn, "alarm-w4", _alarm_event(alarm))
     assert desc["status"] == "SUCCEEDED", desc
-    assert visited[-5:] == ["LastStepFromHeartbeat", "TerminateStalledJob", "NotifyTerminated",
+    assert visited[-6:] == ["LastStepFromHeartbeat", "TerminateStalledJob", "NotifyTerminatedMessage",
+                            "NotifyTerminated",
                             "DisarmAfterTerminate", "DisarmAfterTerminateDone"]
     (message,) = aws.notifications()
     assert "Run run-w4" in message and job["jobId"] in message and "Last completed step: 120" in message

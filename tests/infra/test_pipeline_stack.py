@@ -12,6 +12,7 @@ from pipeline_contract import PIPELINE_STEPS
 from stacks.constructs.stall_watchdog import HEARTBEAT_POLL_MINUTES
 from stacks.constructs.training_pipeline import BATCH_API_ERRORS
 from stacks.pipeline_config import PipelineConfig
+from tests.chatbot_notification import asl_custom_notification_fields
 from tests.infra.pipeline_fixtures import JOB_DEFINITIONS, QUEUE_WAIT, TEST_CONFIG, synthesized
 
 FAKE = "X"  # every reference resolves to this: the assertions look at structure, not ARNs
@@ -198,14 +199,47 @@ def test_the_classifier_can_fail_without_hiding_the_failure_or_the_notification(
     assert "Lambda.ServiceException" in retry["ErrorEquals"] and "States.ALL" not in retry["ErrorEquals"]
     assert diagnose["Catch"] == [{"ErrorEquals": ["States.ALL"], "ResultPath": "$.diagnosis_error",
                                   "Next": "DiagnosisUnavailable"}]
-    assert diagnose["Next"] == unavailable["Next"] == "NotifyFailure"
-    # Both leave the same fields; the raw failure is in every failure notification.
-    assert set(diagnose["ResultSelector"]) == {"class.$", "subject.$", "text.$"}
-    assert set(unavailable["Parameters"]) == {"class", "subject", "text.$"}
+    assert diagnose["Next"] == unavailable["Next"] == "NotifyFailureMessage"
+    # Both leave the same fields; the raw failure is in every failure e-mail.
+    assert set(diagnose["ResultSelector"]) == {"class.$", "subject.$", "text.$", "chat.$"}
+    assert set(unavailable["Parameters"]) == {"class", "subject", "text.$", "chat"}
+    assert set(unavailable["Parameters"]["chat"]) == {"description.$", "nextSteps.$", "keywords"}
     assert unavailable["ResultPath"] == "$.diagnosis"
-    notify = states["NotifyFailure"]["Parameters"]
-    assert notify["Subject.$"] == "$.diagnosis.subject"
-    assert "$.diagnosis.text" in notify["Message.$"] and "States.JsonToString($.failure)" in notify["Message.$"]
+    assert states["NotifyFailure"]["Parameters"]["Subject.$"] == "$.diagnosis.subject"
+    text = states["NotifyFailureMessage"]["Parameters"]["text.$"]
+    assert "$.diagnosis.text" in text and "States.JsonToString($.failure)" in text
+
+
+def _publish_states(definition: dict) -> dict[str, dict]:
+    return {n: s for n, s in definition["States"].items() if s.get("Resource") == "arn:aws:states:::sns:publish"}
+
+
+def test_every_notification_sends_text_to_email_and_a_custom_notification_to_chat(syn, definition):
+    watchdog = syn.definition("StallWatchdog", _Anything())
+    machines = {"pipeline": definition, "watchdog": watchdog}
+    published = {(m, n) for m, d in machines.items() for n in _publish_states(d)}
+    assert published == {("pipeline", n) for n in ("NotifyFailure", "NotifyGateFailed", "NotifyPublished",
+                                                    "NotifySuperseded")} | {("watchdog", "NotifyTerminated")}
+    for machine, name in published:
+        states = machines[machine]["States"]
+        params = states[name]["Parameters"]
+        # One Publish, a rendering per protocol: the text to e-mail (and SQS, Lambda: "default"),
+        # the custom notification to https, the protocol of Chatbot's subscription.
+        assert params["MessageStructure"] == "json" and "Message.$" not in params, name
+        assert params["Message"] == {"default.$": "$.notification.text", "email.$": "$.notification.text",
+                                     "https.$": "States.JsonToString($.notification.chat)"}, name
+        # Both are built by the Pass just before it, into $.notification (nothing else of the run changes).
+        message = states[f"{name}Message"]
+        assert (message["Type"], message["Next"], message["ResultPath"]) == ("Pass", name, "$.notification")
+        assert [n for n, s in states.items() if s.get("Next") == name] == [f"{name}Message"]
+        assert set(message["Parameters"]) == {"text.$", "chat"}
+        fields = asl_custom_notification_fields(message["Parameters"]["chat"])
+        if name == "NotifyFailure":  # what the classifier wrote for the chat, or DiagnosisUnavailable
+            assert fields == {"textType": "client-markdown", "title": "$.diagnosis.subject",
+                              "description": "$.diagnosis.chat.description", "nextSteps": "$.diagnosis.chat.nextSteps",
+                              "keywords": "$.diagnosis.chat.keywords"}
+        else:  # the e-mail's subject over the e-mail's text
+            assert fields["title"] == params["Subject"] and fields["description"] == message["Parameters"]["text.$"]
 
 
 def test_the_classifier_function_is_least_privilege_and_ships_only_the_classifier(syn):
@@ -266,7 +300,7 @@ def test_undelivered_notifications_are_counted_and_alarmed(syn):
 
 def test_gate_is_a_visible_choice_and_rejection_skips_embed(definition):
     gate = definition["States"]["GatePassed"]
-    assert gate["Type"] == "Choice" and gate["Default"] == "NotifyGateFailed"
+    assert gate["Type"] == "Choice" and gate["Default"] == "NotifyGateFailedMessage"
     assert gate["Choices"][0]["Next"] == "Embed"
     assert definition["States"]["NotifyGateFailed"]["Next"] == "ModelRejected"
     assert definition["States"]["ReadGate"]["Resource"] == "arn:aws:states:::aws-sdk:s3:getObject"

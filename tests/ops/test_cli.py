@@ -154,7 +154,8 @@ def test_start_with_a_taken_name_exits_6(world, capsys):
 def test_status_shows_timeline_jobs_nodes_and_cost(world, capsys):
     out = run_json(capsys, "status", "run-ok", "--price", "trn1.2xlarge=1.0")
     assert out["status"] == "SUCCEEDED" and out["end_state"] == "Done"
-    assert [v["state"] for v in out["timeline"]][-4:] == ["PointerRecord", "Publish", "NotifyPublished", "Done"]
+    assert [v["state"] for v in out["timeline"]][-5:] == ["PointerRecord", "Publish", "NotifyPublishedMessage",
+                                                          "NotifyPublished", "Done"]
     jobs = {j["step"]: j for j in out["jobs"]}
     assert list(jobs) == [step.state for step in PIPELINE_STEPS]
     assert all(j["job_id"] and j["status"] == "SUCCEEDED" for j in jobs.values())

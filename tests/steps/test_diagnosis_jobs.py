@@ -10,6 +10,9 @@ import json
 import pytest
 
 from pipeline_steps.diagnosis import handler, job_logs
+from pipeline_steps.diagnosis.classifier import MAX_EVIDENCE
+from pipeline_steps.diagnosis.handler import CHAT_DESCRIPTION_CHARS
+from tests.chatbot_notification import custom_notification_content
 
 
 class _NotFound(Exception):
@@ -122,11 +125,44 @@ def test_the_function_classifies_a_failed_job_from_its_logs() -> None:
     assert "[main line 1] 2026-01-01T00:00:01Z ERROR x: No space left on device" in result["text"]
 
 
+def _chat_notification(result: dict) -> dict:
+    """What the failure path posts to Slack (stacks/constructs/notifications.py)."""
+    content = {"textType": "client-markdown", "title": result["subject"], **result["chat"]}
+    return custom_notification_content({"version": "1.0", "source": "custom", "content": content})
+
+
+def test_the_chat_shows_class_step_node_evidence_and_the_fix() -> None:
+    batch = FakeBatch({"j": _node("j", "s", 1, status="FAILED")})
+    logs = FakeLogs({"s": [(1, "step 5 loss=2.0"), (2, "2026-01-01T00:00:01Z ERROR x: No space left on device")]})
+    result = handler.classify_failure(_batch_failure({"JobId": "j", "Status": "FAILED"}), batch, logs)
+    chat = _chat_notification(result)
+    assert chat["description"] == (
+        "*Failed step:* Train (job j)\n*Class:* `storage_error` (a retry will not help). " + result["summary"] +
+        "\n*First error on:* main\n*Evidence:*\n```\n[main line 2] 2026-01-01T00:00:01Z ERROR x: No space left "
+        "on device\n```")
+    assert chat["nextSteps"] == [result["suggestion"], f"Docs: {result['docs']}",
+                                 "`trainium-runs why run-7`: the same diagnosis, from the job's logs"]
+    assert chat["keywords"] == ["storage_error", "Train"]
+
+
+def test_the_chat_stays_within_a_slack_section_however_long_the_evidence() -> None:
+    # The most evidence the classifier keeps, each line at its longest, from a state name at
+    # Step Functions' 80-character limit.
+    lines = [(i, f"2026-01-01T00:00:0{i}Z ERROR x: No space left on device {'x' * 2000}") for i in range(9)]
+    batch = FakeBatch({"j": _node("j", "s", 1, status="FAILED")})
+    event = {"run_id": "r" * 80, "failure": {"S" * 80: {"Error": "States.TaskFailed",
+                                                       "Cause": json.dumps({"JobId": "j"})}}}
+    result = handler.classify_failure(event, batch, FakeLogs({"s": lines}))
+    assert len(result["evidence"]) == MAX_EVIDENCE
+    assert len(_chat_notification(result)["description"]) > CHAT_DESCRIPTION_CHARS // 2
+
+
 def test_a_job_batch_no_longer_knows_is_classified_from_the_cause() -> None:
     cause = {"JobId": "old", "StatusReason": "Host EC2 (instance i-1) terminated.", "Container": {"ExitCode": 137}}
     result = handler.classify_failure(_batch_failure(cause), FakeBatch({}), FakeLogs({}))
     assert result["class"] == "capacity_or_infrastructure" and result["retryable"]
     assert "Note: the job's logs could not be read (LookupError" in result["text"]
+    assert "*Note:* the job's logs could not be read (LookupError" in _chat_notification(result)["description"]
 
 
 def test_a_cause_cut_short_still_names_the_job() -> None:
