@@ -41,7 +41,7 @@ demo: check-node $(STAMP)
 check-node:
 	@$(PYTHON) scripts/check_node.py
 
-# On every core (pytest-xdist; tests that share an expensive fixture stay on one worker: see
+# On one worker more than cores (pytest-xdist; tests that share an expensive fixture stay on one worker: see
 # tests/conftest.py), and the slowest tests listed at the end.
 test: $(STAMP)
 	$(PY) -m pytest -q -n auto --dist loadgroup --durations=15

@@ -15,6 +15,7 @@ import os
 
 import pytest
 
+from pipeline_steps.worker_pool import available_cpus
 from tests.suite_environment import SUITE_ENVIRONMENT
 
 # jsii's Node.js end-of-life banner would drown the test output (Node 20 on CI boxes); set before
@@ -27,6 +28,13 @@ for _name, _value in SUITE_ENVIRONMENT.items():  # before any test module import
 # Session fixtures that take from half a minute (a synthesized stage with its cdk-nag checks) to
 # several minutes (run-local on each backend), in the order a test that uses several is grouped by.
 SHARED_SESSION_FIXTURES = ("tiny_run_local", "dev_app_and_stage", "prod_app_and_stage", "teams_app_and_stage")
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: one worker more than the CPUs this process may use (affinity and a container's
+    CPU quota). A worker that waits (a moto execution's retry interval, a subprocess starting, a
+    polling loop) leaves its core to the extra one."""
+    return available_cpus() + 1
 
 
 def share_group(item: pytest.Item) -> str | None:
