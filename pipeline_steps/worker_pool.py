@@ -32,13 +32,18 @@ def available_cpus() -> int:
     """CPUs this process may use: its affinity, bounded by its cgroup's CPU quota when it has one
     (a container's --cpus, an AWS Batch job's vCPUs on a larger instance)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    quota = _cgroup_cpu_quota()
+    return cpus if quota is None else min(cpus, quota)
+
+
+def _cgroup_cpu_quota() -> int | None:
+    """Whole CPUs of the cgroup v2 quota (`cpu.max`: "<quota> <period>" or "max <period>"), or None
+    without one: no limit, cgroup v1, or no cgroup file."""
     try:
         quota, period = CGROUP_CPU_MAX.read_text().split()
-        if quota != "max":
-            cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
+        return None if quota == "max" else max(1, math.ceil(int(quota) / int(period)))
     except (OSError, ValueError):
-        pass  # cgroup v1, or no cgroup file: the affinity alone
-    return cpus
+        return None
 
 
 def worker_count() -> int:
