@@ -11,7 +11,7 @@ BACKEND ?= cpu
 # `make demo PRESET=tiny` or `BACKEND=xla` must not land in the first run's directory.
 RUN_DIR ?= runs/demo-$(PRESET)-$(BACKEND)
 
-.PHONY: demo check-node test e2e venv synth infra-diff snapshots bench clean cdk-cli cdk lock
+.PHONY: demo check-node test e2e venv synth infra-diff snapshots bench clean cdk-cli cdk lock failure-model
 # jsii (the CDK's Node bridge) warns on every run about Node 20's end of life; the warning is noise here.
 export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 STAGE ?= dev
@@ -88,6 +88,10 @@ cdk: cdk-cli $(DEPLOY_STAMP)
 # After an intended dependency upgrade in .venv: rewrite deploy-constraints.txt from it.
 lock: $(STAMP)
 	$(PY) scripts/lock_deploy.py
+
+# After adding cases to the failure corpus: fit the classifier's log model on it again.
+failure-model: $(STAMP)
+	$(PY) -m scripts.failure_model
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.bench --quick --out bench.json

@@ -30,6 +30,7 @@ for _name, _value in SUITE_ENVIRONMENT.items():  # before any test module import
 SHARED_SESSION_FIXTURES = ("tiny_run_local", "dev_app_and_stage", "prod_app_and_stage", "teams_app_and_stage")
 
 
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: `-p no:xdist` must not refuse it
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """`-n auto`: one worker more than the CPUs this process may use (affinity and a container's
     CPU quota). A worker that waits (a moto execution's retry interval, a subprocess starting, a

@@ -7,7 +7,7 @@ symptoms; within that tier the earliest line wins: by its time (CloudWatch's eve
 timestamp at the start of the line), else by node order and line order. Only generic lines or
 symptoms matched: the exit code's class from [exit_codes] when it has one (a signal's code only when
 the status reason does not say the job was stopped from outside, external_stop), else that line's
-class; nothing matched: the exit code's class, else `unknown`.
+class; nothing matched: the exit code's class, else the log model's class when it is confident enough (log_model.py), else `unknown`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from importlib import resources
 from pathlib import Path
+from typing import Literal
+
+from .log_model import Guess, LogModel, load_model
 
 TIERS = ("cause", "likely", "generic", "symptom")
 GENERIC = TIERS.index("generic")
@@ -28,6 +31,7 @@ WEAK_TIERS = frozenset({GENERIC, TIERS.index("symptom")})
 SIGNAL_EXIT_CODES = 128
 """Exit codes above this are 128 + a signal number (137: SIGKILL)."""
 UNKNOWN = "unknown"
+DECIDED_BY = ("rule", "exit code", "log model", "nothing")
 STATUS_REASON = "status reason"
 """The node name of the Batch status reason, classified as one more line."""
 MAX_EVIDENCE = 5
@@ -243,14 +247,27 @@ class Diagnosis:
     summary: str
     node: str | None
     """The node of the deciding line: where the first error appeared."""
+    decided_by: str = "rule"
+    """One of DECIDED_BY."""
+    probability: float | None = None
+    """The log model's probability of the class, when the model decided."""
 
     def as_dict(self) -> dict:
         return {"class": self.cls, "retryable": self.retryable, "evidence": [e.as_dict() for e in self.evidence],
-                "suggestion": self.suggestion, "docs": self.docs, "summary": self.summary, "node": self.node}
+                "suggestion": self.suggestion, "docs": self.docs, "summary": self.summary, "node": self.node,
+                "decided_by": self.decided_by,
+                "probability": None if self.probability is None else round(self.probability, 3)}
 
     @property
     def retry(self) -> str:
         return "a retry can help" if self.retryable else "a retry will not help"
+
+    @property
+    def model_note(self) -> str | None:
+        """What to know when the log model decided: no rule named the failure."""
+        if self.probability is None:
+            return None
+        return f"the log model, probability {self.probability:.2f} (no rule named this failure; check the evidence)"
 
     def evidence_lines(self) -> list[str]:
         return [f"[{e.node} line {e.line}] {e.text}" for e in self.evidence]
@@ -258,6 +275,8 @@ class Diagnosis:
     def text(self) -> str:
         """The human form: what `diagnose` prints and the failure notification carries."""
         lines = [f"Class: {self.cls} ({self.retry}). {self.summary}"]
+        if self.model_note:
+            lines.append(f"Decided by: {self.model_note}")
         if self.node is not None:
             lines.append(f"First error on: {self.node}")
         if self.evidence:
@@ -311,7 +330,8 @@ def _evidence(decisive: _Match, matches: list[_Match]) -> tuple[Evidence, ...]:
 
 
 def _from_class(rules: Rules, name: str, evidence: tuple[Evidence, ...], node: str | None, *,
-                exit_code: int | None, rule: Rule | None = None) -> Diagnosis:
+                exit_code: int | None, rule: Rule | None = None, decided_by: str = "rule",
+                probability: float | None = None) -> Diagnosis:
     info = rules.classes[name]
     retryable = info.retryable
     if rule is not None and rule.retryable is not None:
@@ -319,7 +339,7 @@ def _from_class(rules: Rules, name: str, evidence: tuple[Evidence, ...], node: s
     if name == UNKNOWN:
         retryable = exit_code == 75  # the step said so (contract.ExitCode.RETRYABLE)
     return Diagnosis(name, retryable, evidence, (rule and rule.suggestion) or info.suggestion,
-                     (rule and rule.docs) or info.docs, info.summary, node)
+                     (rule and rule.docs) or info.docs, info.summary, node, decided_by, probability)
 
 
 def _exit_code_class(rules: Rules, exit_code: int | None, status_reason: str | None) -> str | None:
@@ -327,14 +347,28 @@ def _exit_code_class(rules: Rules, exit_code: int | None, status_reason: str | N
     job was stopped from outside (a timeout, an operator): the signal then names no cause."""
     if exit_code is None:
         return None
-    stopped = bool(status_reason and rules.external_stop and rules.external_stop.search(status_reason))
-    return None if stopped and exit_code > SIGNAL_EXIT_CODES else rules.exit_codes.get(exit_code)
+    return None if _stopped(rules, status_reason) and exit_code > SIGNAL_EXIT_CODES else rules.exit_codes.get(exit_code)
+
+
+def _stopped(rules: Rules, status_reason: str | None) -> bool:
+    """Batch says the job was stopped from outside (a timeout, an operator): no failure of its own."""
+    return bool(status_reason and rules.external_stop and rules.external_stop.search(status_reason))
+
+
+def _from_guess(rules: Rules, guess: Guess, sources: Sequence[NodeLog], exit_code: int | None) -> Diagnosis:
+    times = {(s.node, i + 1): t for s in sources for i, t in enumerate(s.line_times())}
+    evidence = tuple(Evidence(line.node, line.number, _shown(line.text), None, times.get((line.node, line.number)))
+                     for line in guess.lines)
+    first = min(evidence, key=lambda e: (e.time is None, e.time or 0.0))
+    return _from_class(rules, guess.cls, evidence, first.node, exit_code=exit_code, decided_by="log model",
+                       probability=guess.probability)
 
 
 def classify(logs: Sequence[NodeLog], *, exit_code: int | None = None, status_reason: str | None = None,
-             rules: Rules | None = None) -> Diagnosis:
+             rules: Rules | None = None, model: LogModel | None | Literal["packaged"] = "packaged") -> Diagnosis:
     """The failure class of a job from the tails of its nodes' logs (in node order, main node
-    first), its exit code and Batch's status reason."""
+    first), its exit code and Batch's status reason. `model`: the log model for what no rule
+    names (None: rules only)."""
     rules = rules or load_rules()
     sources = list(logs)
     if status_reason:
@@ -346,7 +380,11 @@ def classify(logs: Sequence[NodeLog], *, exit_code: int | None = None, status_re
     if first is not None and first.rule is not None and not (first.rule.tier in WEAK_TIERS and by_exit_code):
         return _from_class(rules, first.rule.cls, _evidence(first, found), first.evidence.node,
                            exit_code=exit_code, rule=first.rule)
+    if by_exit_code is None and model is not None and not _stopped(rules, status_reason):
+        guess = (load_model() if model == "packaged" else model).guess([(s.node, s.lines) for s in sources])
+        if guess is not None and guess.cls in rules.classes:
+            return _from_guess(rules, guess, sources, exit_code)
     recent = [m.evidence for m in sorted(found, key=lambda m: m.order)][-MAX_EVIDENCE:]
     earliest = min(found, key=lambda m: (m.evidence.time is None, m.evidence.time or 0.0, m.order)) if found else None
     return _from_class(rules, by_exit_code or UNKNOWN, tuple(recent), earliest.evidence.node if earliest else None,
-                       exit_code=exit_code)
+                       exit_code=exit_code, decided_by="exit code" if by_exit_code else "nothing")

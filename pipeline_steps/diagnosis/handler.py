@@ -67,6 +67,8 @@ def _chat(run_id: str, step: str | None, where: str, diagnosis: Diagnosis, note:
     """The content of a Chatbot custom notification (Slack markdown): the facts, the evidence as a
     code block, the suggestion and the docs as next steps."""
     lines = [f"*Failed step:* {where}", f"*Class:* `{diagnosis.cls}` ({diagnosis.retry}). {diagnosis.summary}"]
+    if diagnosis.model_note:
+        lines.append(f"*Decided by:* {diagnosis.model_note}")
     if diagnosis.node is not None:
         lines.append(f"*First error on:* {diagnosis.node}")
     if note:

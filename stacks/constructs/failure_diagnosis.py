@@ -29,7 +29,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 HANDLER = "pipeline_steps.diagnosis.handler.handler"
 # The function's code: the package marker and the diagnosis subpackage, nothing else of the repo.
 CODE_EXCLUDE = ["*", ".*", "!pipeline_steps", "!pipeline_steps/__init__.py", "!pipeline_steps/diagnosis",
-                "!pipeline_steps/diagnosis/*.py", "!pipeline_steps/diagnosis/rules.toml"]
+                "!pipeline_steps/diagnosis/*.py", "!pipeline_steps/diagnosis/rules.toml",
+                "!pipeline_steps/diagnosis/log_model.json.gz"]
 TIMEOUT_SECONDS = 120
 """Describing a 100-node job and reading 100 log tails takes well under a minute."""
 

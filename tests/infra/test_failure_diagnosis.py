@@ -16,7 +16,8 @@ from stacks.constructs.failure_diagnosis import HANDLER, FailureDiagnosis
 
 EXPECTED = {"pipeline_steps/__init__.py", "pipeline_steps/diagnosis/__init__.py",
             "pipeline_steps/diagnosis/classifier.py", "pipeline_steps/diagnosis/handler.py",
-            "pipeline_steps/diagnosis/job_logs.py", "pipeline_steps/diagnosis/rules.toml"}
+            "pipeline_steps/diagnosis/job_logs.py", "pipeline_steps/diagnosis/rules.toml",
+            "pipeline_steps/diagnosis/log_model.py", "pipeline_steps/diagnosis/log_model.json.gz"}
 
 
 def test_the_function_ships_only_the_classifier_and_runs_on_the_standard_library(tmp_path: Path) -> None:
@@ -38,3 +39,12 @@ def test_the_function_ships_only_the_classifier_and_runs_on_the_standard_library
     result = subprocess.run([sys.executable, "-S", "-I", "-c", code], cwd=asset, capture_output=True, text=True,
                             timeout=60, check=True)
     assert json.loads(result.stdout)["class"] == "bad_config"
+    # and the log model, for what no rule names (a checkpoint that cannot be written; the corpus's
+    # ronin-51 case)
+    log = ("    super(_open_zipfile_writer_file, self).__init__(torch._C.PyTorchFileWriter(str(name)))",
+           "RuntimeError: File my_out/checkpoints/checkpoint_0.pt cannot be opened.")
+    code = ("import sys; sys.path.insert(0, '.'); from pipeline_steps.diagnosis import NodeLog, classify; "
+            f"d = classify([NodeLog('main', {log!r})]); print(d.cls, d.decided_by)")
+    result = subprocess.run([sys.executable, "-S", "-I", "-c", code], cwd=asset, capture_output=True, text=True,
+                            timeout=60, check=True)
+    assert result.stdout.split(maxsplit=1) == ["storage_error", "log model\n"]

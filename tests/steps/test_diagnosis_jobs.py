@@ -145,6 +145,17 @@ def test_the_chat_shows_class_step_node_evidence_and_the_fix() -> None:
     assert chat["keywords"] == ["storage_error", "Train"]
 
 
+def test_a_class_the_log_model_gave_says_so_in_the_mail_and_the_chat() -> None:
+    # the corpus's ronin-51 case: a checkpoint that cannot be written, in words no rule has
+    batch = FakeBatch({"j": _node("j", "s", 1, status="FAILED")})
+    logs = FakeLogs({"s": [(1, "    super(_open_zipfile_writer_file, self).__init__(torch._C.PyTorchFileWriter(str(name)))"),
+                           (2, "RuntimeError: File my_out/checkpoints/checkpoint_0.pt cannot be opened.")]})
+    result = handler.classify_failure(_batch_failure({"JobId": "j", "Status": "FAILED"}), batch, logs)
+    assert (result["class"], result["decided_by"]) == ("storage_error", "log model")
+    assert "\nDecided by: the log model, probability 0." in result["text"]
+    assert "\n*Decided by:* the log model, probability 0." in _chat_notification(result)["description"]
+
+
 def test_the_chat_stays_within_a_slack_section_however_long_the_evidence() -> None:
     # The most evidence the classifier keeps, each line at its longest, from a state name at
     # Step Functions' 80-character limit.

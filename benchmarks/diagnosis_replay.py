@@ -1,0 +1,135 @@
+"""How the failure classifier does on logs it has not seen: the holdout sets replayed, or a new set scored.
+
+    python -m benchmarks.diagnosis_replay                     # replay every holdout set of the corpus
+    python -m benchmarks.diagnosis_replay --score NEW.toml    # score a new set (corpus format) once
+
+Replay: each holdout set of tests/steps/failure_corpus was collected after the rules of its day and
+scored once with them. For each set, this takes the rules.toml of that day from git (the parent of
+the commit that added the set), fits the log model on the cases that existed then (the sets before
+it), and scores the set three ways: the rules alone (the recorded first score), rules + model at the
+model's min_probability (what ships), rules + model always answering. Score: today's rules and the
+packaged model on a file of new cases, before any of them is added to the corpus.
+Method and figures: docs/operations.md, "Why a run failed".
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from pipeline_steps.diagnosis import UNKNOWN, NodeLog, Rules, classify, load_rules
+from pipeline_steps.diagnosis.classifier import parse_rules
+from pipeline_steps.diagnosis.log_model import LogModel, load_model
+from scripts.failure_model import CORPUS, REPO, corpus_files, fit, load_cases
+
+RULES_PATH = "pipeline_steps/diagnosis/rules.toml"
+OUTCOMES = ("right", "wrong", "unknown")
+
+
+def split_rank(split: str) -> int:
+    """dev and project (this project's own messages), then holdout, holdout2, ...: the order the sets came in."""
+    if split in ("dev", "project"):
+        return 0
+    match = re.fullmatch(r"holdout(\d*)", split)
+    if match is None:
+        raise ValueError(f"unknown split {split!r}")
+    return int(match.group(1) or 1)
+
+
+def rules_before(split: str) -> Rules | None:
+    """rules.toml as it was just before the commit that added `split`'s cases to the corpus; None for
+    the sets that came with the first rules (no rules of their day to replay)."""
+    added = subprocess.run(
+        [
+            "git",
+            "-C",
+            str(REPO),
+            "log",
+            "--reverse",
+            "--format=%H",
+            "-S",
+            f'split = "{split}"',
+            "--",
+            str(CORPUS.relative_to(REPO)),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    commit = added.stdout.split()[0]
+    before = subprocess.run(["git", "-C", str(REPO), "show", f"{commit}^:{RULES_PATH}"], capture_output=True, text=True)
+    return parse_rules(before.stdout, f"{RULES_PATH} at {commit[:10]}^") if before.returncode == 0 else None
+
+
+def outcome(case: dict[str, Any], rules: Rules, model: LogModel | None) -> str:
+    logs = case["logs"] if "logs" in case else {"main": case.get("log", "")}
+    got = classify(
+        [NodeLog.from_text(node, text) for node, text in logs.items()],
+        exit_code=case.get("exit_code"),
+        status_reason=case.get("status_reason"),
+        rules=rules,
+        model=model,
+    ).cls
+    return "right" if got == case["class"] else "unknown" if got == UNKNOWN else "wrong"
+
+
+def score(cases: Sequence[dict[str, Any]], rules: Rules, model: LogModel) -> dict[str, Counter[str]]:
+    always = replace(model, min_probability=0.0)
+    return {
+        way: Counter(outcome(case, rules, m) for case in cases)
+        for way, m in (("rules", None), ("rules+model", model), ("model always", always))
+    }
+
+
+def _row(name: str, cases: int, scores: dict[str, Counter[str]]) -> str:
+    cells = [
+        f"{s['right']:3} ({s['right'] / cases:4.0%}) / {s['wrong']:2} ({s['wrong'] / cases:4.0%})"
+        for s in scores.values()
+    ]
+    return f"{name:10} {cases:5}  " + "  ".join(f"{c:24}" for c in cells)
+
+
+def _header() -> str:
+    ways = ("rules (first score)", "rules + model (ships)", "rules + model always")
+    return f"{'set':10} {'cases':5}  " + "  ".join(f"{w + ': right / wrong':24}" for w in ways)
+
+
+def replay() -> None:
+    cases = load_cases(corpus_files())
+    splits = sorted({c["split"] for c in cases if c["split"].startswith("holdout")}, key=split_rank)
+    total: dict[str, Counter[str]] = {}
+    print(_header())
+    for split in splits:
+        rules = rules_before(split)
+        if rules is None:
+            print(f"{split:10} (came with the first rules: none of its day to replay)")
+            continue
+        model = LogModel.from_dict(fit([c for c in cases if split_rank(c["split"]) < split_rank(split)]))
+        scores = score([c for c in cases if c["split"] == split], rules, model)
+        print(_row(split, sum(scores["rules"].values()), scores), flush=True)
+        total = {way: total.get(way, Counter()) + s for way, s in scores.items()}
+    print(_row("all", sum(total["rules"].values()), total))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--score", type=Path, metavar="FILE", help="score the cases of FILE (corpus format) once")
+    args = parser.parse_args(argv)
+    if args.score is None:
+        replay()
+        return 0
+    cases = load_cases([args.score])
+    print(_header())
+    print(_row(args.score.stem, len(cases), score(cases, load_rules(), load_model())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

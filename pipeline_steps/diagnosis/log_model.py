@@ -1,0 +1,142 @@
+"""The log model: a linear classifier over character n-grams, for the failures no rule names.
+
+Rules are exact and reviewed, but each new set of public logs brings wordings no rule has seen. The
+model generalises from the whole corpus instead: TF-IDF over character 3- to 5-grams (scikit-learn's
+`char_wb` analyzer) of the lines that look like a failure, and a multinomial logistic regression
+fit on every corpus case by scripts/failure_model.py, which writes log_model.json.gz. This module only
+reads that file and applies it in plain Python (the classifier Lambda ships no numpy); a test checks
+its probabilities against scikit-learn's. It answers only when its probability reaches the file's
+`min_probability`, chosen by replaying the holdout sets (docs/operations.md, "Why a run failed").
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import json
+import math
+import re
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+MODEL_FILE = "log_model.json.gz"
+MAX_LINES = 400
+"""The model reads at most the last 400 selected lines (a long tail says no more, and costs time)."""
+_CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
+_HEX = re.compile(r"0x[0-9a-fA-F]+")
+_DIGITS = re.compile(r"\d+")
+
+
+def normalise(text: str) -> str:
+    """What the n-grams are taken from: CamelCase split into words (RendezvousClosedError ->
+    rendezvous closed error), hex numbers one token, other digits dropped, lower case."""
+    return _DIGITS.sub(" ", _HEX.sub(" hexnum ", _CAMEL.sub(" ", text))).lower()
+
+
+def char_ngrams(text: str, low: int, high: int) -> list[str]:
+    """scikit-learn's `char_wb` analyzer: n-grams inside each word padded with one space."""
+    grams = []
+    for word in text.split():
+        padded = f" {word} "
+        for n in range(low, high + 1):
+            grams += [padded[i:i + n] for i in range(max(len(padded) - n, 0) + 1)]
+            if len(padded) <= n:  # a short word counts once
+                break
+    return grams
+
+
+@dataclass(frozen=True)
+class Line:
+    node: str
+    number: int
+    """1-based, in that node's log."""
+    text: str
+
+
+@dataclass(frozen=True)
+class Guess:
+    cls: str
+    probability: float
+    lines: tuple[Line, ...]
+    """The selected lines that weigh most for the class, in log order."""
+
+
+@dataclass(frozen=True)
+class LogModel:
+    classes: tuple[str, ...]
+    ngram_range: tuple[int, int]
+    line_pattern: re.Pattern[str]
+    context: int
+    min_probability: float
+    weights: dict[str, tuple[float, ...]]
+    """n-gram -> (idf, one coefficient per class)."""
+    intercept: tuple[float, ...]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LogModel:
+        return cls(tuple(data["classes"]), tuple(data["ngram_range"]), re.compile(data["line_pattern"], re.I),
+                   data["context"], data["min_probability"],
+                   {gram: tuple(values) for gram, values in data["weights"].items()}, tuple(data["intercept"]))
+
+    def select(self, logs: Sequence[tuple[str, Sequence[str]]]) -> list[Line]:
+        """The lines that look like a failure, with `context` lines either side, of every node."""
+        chosen = []
+        for node, lines in logs:
+            keep = sorted({j for i, text in enumerate(lines) if self.line_pattern.search(text)
+                           for j in range(max(i - self.context, 0), min(i + self.context + 1, len(lines)))})
+            chosen += [Line(node, j + 1, lines[j].strip()) for j in keep]
+        return chosen[-MAX_LINES:]
+
+    def vector(self, text: str) -> dict[str, float]:
+        """TF-IDF (sublinear tf, l2-normalised) over the model's n-grams, as scikit-learn computes it."""
+        counts = Counter(g for g in char_ngrams(normalise(text), *self.ngram_range) if g in self.weights)
+        values = {g: (1.0 + math.log(n)) * self.weights[g][0] for g, n in counts.items()}
+        norm = math.sqrt(sum(v * v for v in values.values())) or 1.0
+        return {g: v / norm for g, v in values.items()}
+
+    def probabilities(self, text: str) -> dict[str, float]:
+        x = self.vector(text)
+        scores = [b + sum(v * self.weights[g][k + 1] for g, v in x.items()) for k, b in enumerate(self.intercept)]
+        top = max(scores)
+        exp = [math.exp(s - top) for s in scores]
+        return {name: e / sum(exp) for name, e in zip(self.classes, exp)}
+
+    def guess(self, logs: Sequence[tuple[str, Sequence[str]]], evidence: int = 3) -> Guess | None:
+        """The most probable class of the selected lines, when it reaches `min_probability`."""
+        lines = self.select(logs)
+        if not lines:
+            return None
+        text = "\n".join(line.text for line in lines)
+        probabilities = self.probabilities(text)
+        cls = max(probabilities, key=probabilities.__getitem__)
+        if probabilities[cls] < self.min_probability:
+            return None
+        x, k = self.vector(text), self.classes.index(cls) + 1
+        weight = [sum(x.get(g, 0.0) * self.weights[g][k] for g in set(char_ngrams(normalise(line.text),
+                                                                               *self.ngram_range)) if g in x)
+                  for line in lines]
+        best = sorted(range(len(lines)), key=lambda i: -weight[i])[:evidence]
+        return Guess(cls, probabilities[cls], tuple(lines[i] for i in sorted(best)))
+
+
+def parse_model(data: bytes, where: str = MODEL_FILE) -> LogModel:
+    try:
+        return LogModel.from_dict(json.loads(gzip.decompress(data)))
+    except (OSError, EOFError, ValueError, KeyError, TypeError, re.error) as exc:
+        raise ValueError(f"{where}: not a log model written by scripts/failure_model.py ({exc})") from None
+
+
+@functools.cache
+def _packaged_model() -> LogModel:
+    return parse_model(resources.files(__package__).joinpath(MODEL_FILE).read_bytes())
+
+
+def load_model(path: str | Path | None = None) -> LogModel:
+    """The model shipped with the package (fit on the corpus), or another model file."""
+    if path is None:
+        return _packaged_model()
+    return parse_model(Path(path).read_bytes(), str(path))

@@ -1,0 +1,83 @@
+"""The failure classifier's log model: what no rule names, classified from the corpus it was fit on,
+marked as the model's answer, with its evidence; computed as scikit-learn computes it; refit with
+the corpus."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from pipeline_steps.diagnosis import UNKNOWN, NodeLog, classify
+from pipeline_steps.diagnosis.log_model import MODEL_FILE, load_model
+from scripts.failure_model import OUTPUT, corpus_files, digest, fit_pipeline, load_cases, model_text
+
+from .conftest import run_cli
+
+CASES = load_cases(corpus_files())
+# A real log no rule names (a checkpoint that cannot be written), as the corpus has it.
+(CHECKPOINT,) = [case["log"].splitlines() for case in CASES if case["id"] == "ronin-51-checkpoint-cannot-be-opened"]
+
+
+def test_the_shipped_model_is_fit_on_todays_corpus() -> None:
+    shipped = json.loads(gzip.decompress(OUTPUT.read_bytes()))
+    assert shipped["corpus_sha256"] == digest(corpus_files()), (
+        f"the corpus changed since {MODEL_FILE} was fit: run `make failure-model` and commit the file")
+
+
+def test_the_model_computes_scikit_learns_probabilities() -> None:
+    """The plain-Python TF-IDF and softmax (what the Lambda runs) against scikit-learn's, fit afresh."""
+    pipeline, model = fit_pipeline(CASES), load_model()
+    texts = [text for case in CASES if (text := model_text(case))]
+    expected = pipeline.predict_proba(texts)
+    assert list(pipeline.classes_) == list(model.classes)
+    worst = max(abs(model.probabilities(text)[name] - p) for text, row in zip(texts, expected)
+                for name, p in zip(pipeline.classes_, row))
+    assert worst < 2e-3  # the file keeps four significant digits
+
+
+def test_what_no_rule_names_the_model_classifies_and_says_so() -> None:
+    logs = [NodeLog.from_text("node-0", "step 10 loss 2.31\nstep 20 loss 2.05"), NodeLog("node-1", tuple(CHECKPOINT))]
+    assert classify(logs, model=None).cls == UNKNOWN  # the rules alone
+    diagnosis = classify(logs)
+    assert (diagnosis.cls, diagnosis.decided_by, diagnosis.retryable) == ("storage_error", "log model", False)
+    assert diagnosis.probability is not None and diagnosis.probability >= load_model().min_probability
+    assert diagnosis.node == "node-1"
+    assert [(e.node, e.line) for e in diagnosis.evidence if "cannot be opened" in e.text] == [("node-1", 2)]
+    assert "Decided by: the log model, probability" in diagnosis.text()
+    answer = diagnosis.as_dict()
+    assert answer["decided_by"] == "log model" and 0.5 <= answer["probability"] <= 1
+
+
+def test_below_its_minimum_probability_the_model_says_unknown() -> None:
+    unsure = replace(load_model(), min_probability=1.0)
+    diagnosis = classify([NodeLog("main", tuple(CHECKPOINT))], model=unsure)
+    assert (diagnosis.cls, diagnosis.decided_by, diagnosis.probability) == (UNKNOWN, "nothing", None)
+
+
+@pytest.mark.parametrize("exit_code, status_reason, expected, decided_by", [
+    (65, None, "bad_input", "exit code"),       # this project's own exit code outranks the model
+    (None, "Host EC2 (instance i-0abc) terminated.", "capacity_or_infrastructure", "rule"),
+])
+def test_the_model_never_overrides_a_rule_or_the_exit_code(exit_code, status_reason, expected, decided_by) -> None:
+    diagnosis = classify([NodeLog("main", tuple(CHECKPOINT))], exit_code=exit_code, status_reason=status_reason)
+    assert (diagnosis.cls, diagnosis.decided_by) == (expected, decided_by)
+
+
+def test_the_command_prints_the_models_answer(tmp_path: Path) -> None:
+    log = tmp_path / "node-0.log"
+    log.write_text("\n".join(CHECKPOINT) + "\n")
+    result = run_cli("diagnose", "--log", log, "--json")
+    assert result.returncode == 0, result.stderr
+    answer = json.loads(result.stdout)
+    assert (answer["class"], answer["decided_by"]) == ("storage_error", "log model")
+
+
+def test_a_damaged_model_file_says_what_to_do(tmp_path: Path) -> None:
+    damaged = tmp_path / MODEL_FILE
+    damaged.write_bytes(b"not gzip")
+    with pytest.raises(ValueError, match=f"{damaged}: not a log model written by scripts/failure_model.py"):
+        load_model(damaged)
