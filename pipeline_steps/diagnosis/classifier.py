@@ -380,7 +380,9 @@ def classify(logs: Sequence[NodeLog], *, exit_code: int | None = None, status_re
     if first is not None and first.rule is not None and not (first.rule.tier in WEAK_TIERS and by_exit_code):
         return _from_class(rules, first.rule.cls, _evidence(first, found), first.evidence.node,
                            exit_code=exit_code, rule=first.rule)
-    if by_exit_code is None and model is not None and not _stopped(rules, status_reason):
+    # The model reads only a log with a line that looks like an error (unknown_evidence): a healthy
+    # log's warnings are no failure. Nor a job Batch stopped from outside.
+    if by_exit_code is None and model is not None and found and not _stopped(rules, status_reason):
         guess = (load_model() if model == "packaged" else model).guess([(s.node, s.lines) for s in sources])
         if guess is not None and guess.cls in rules.classes:
             return _from_guess(rules, guess, sources, exit_code)
