@@ -27,7 +27,7 @@ from .log_model import Guess, LogModel, load_model
 TIERS = ("cause", "likely", "generic", "symptom")
 GENERIC = TIERS.index("generic")
 WEAK_TIERS = frozenset({GENERIC, TIERS.index("symptom")})
-"""Tiers that say less than the step's own exit code."""
+"""Tiers that say less than the step's own exit code, and than a confident log model."""
 SIGNAL_EXIT_CODES = 128
 """Exit codes above this are 128 + a signal number (137: SIGKILL)."""
 UNKNOWN = "unknown"
@@ -376,16 +376,19 @@ def classify(logs: Sequence[NodeLog], *, exit_code: int | None = None, status_re
     found = _scan(sources, rules)
     by_exit_code = _exit_code_class(rules, exit_code, status_reason)
     first = min(found, key=_Match.key) if found else None
+    decided = first is not None and first.rule is not None
+    # No rule, or only a weak one (a symptom, a bare exception name): a confident log model decides.
+    # It reads only a log with a line that looks like an error (unknown_evidence; a healthy log's
+    # warnings are no failure), and never a job Batch stopped from outside.
+    if (by_exit_code is None and model is not None and found and not _stopped(rules, status_reason)
+            and (not decided or first.rule.tier in WEAK_TIERS)):
+        guess = (load_model() if model == "packaged" else model).guess([(s.node, s.lines) for s in sources])
+        if guess is not None and guess.cls in rules.classes and not (decided and guess.cls == first.rule.cls):
+            return _from_guess(rules, guess, sources, exit_code)
     # A symptom (a peer went away) or a generic exception name says less than the step's own exit code.
     if first is not None and first.rule is not None and not (first.rule.tier in WEAK_TIERS and by_exit_code):
         return _from_class(rules, first.rule.cls, _evidence(first, found), first.evidence.node,
                            exit_code=exit_code, rule=first.rule)
-    # The model reads only a log with a line that looks like an error (unknown_evidence): a healthy
-    # log's warnings are no failure. Nor a job Batch stopped from outside.
-    if by_exit_code is None and model is not None and found and not _stopped(rules, status_reason):
-        guess = (load_model() if model == "packaged" else model).guess([(s.node, s.lines) for s in sources])
-        if guess is not None and guess.cls in rules.classes:
-            return _from_guess(rules, guess, sources, exit_code)
     recent = [m.evidence for m in sorted(found, key=lambda m: m.order)][-MAX_EVIDENCE:]
     earliest = min(found, key=lambda m: (m.evidence.time is None, m.evidence.time or 0.0, m.order)) if found else None
     return _from_class(rules, by_exit_code or UNKNOWN, tuple(recent), earliest.evidence.node if earliest else None,
