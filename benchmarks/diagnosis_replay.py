@@ -63,6 +63,9 @@ def rules_before(split: str) -> Rules | None:
         text=True,
         check=True,
     )
+    if not added.stdout.strip():
+        raise SystemExit(f"no commit adds the {split} cases: the replay needs the repository's history "
+                         "(in a shallow clone: git fetch --unshallow)")
     commit = added.stdout.split()[0]
     before = subprocess.run(["git", "-C", str(REPO), "show", f"{commit}^:{RULES_PATH}"], capture_output=True, text=True)
     if before.returncode != 0:
