@@ -6,8 +6,9 @@ the other ranks report after it ("symptom"), and a bare exception name ("generic
 symptoms; within that tier the earliest line wins: by its time (CloudWatch's event time, or a
 timestamp at the start of the line), else by node order and line order. Only generic lines or
 symptoms matched: the exit code's class from [exit_codes] when it has one (a signal's code only when
-the status reason does not say the job was stopped from outside, external_stop), else that line's
-class; nothing matched: the exit code's class, else the log model's class when it is confident enough (log_model.py), else `unknown`.
+the status reason does not say the job was stopped from outside, external_stop), else the log
+model's class when it is confident (log_model.py), else that line's class; nothing matched: the
+exit code's class, else the log model's, else `unknown`.
 """
 
 from __future__ import annotations
@@ -267,7 +268,7 @@ class Diagnosis:
         """What to know when the log model decided: no rule named the failure."""
         if self.probability is None:
             return None
-        return f"the log model, probability {self.probability:.2f} (no rule named this failure; check the evidence)"
+        return f"the log model, probability {self.probability:.2f} (no rule named the cause; check the evidence)"
 
     def evidence_lines(self) -> list[str]:
         return [f"[{e.node} line {e.line}] {e.text}" for e in self.evidence]
@@ -376,19 +377,19 @@ def classify(logs: Sequence[NodeLog], *, exit_code: int | None = None, status_re
     found = _scan(sources, rules)
     by_exit_code = _exit_code_class(rules, exit_code, status_reason)
     first = min(found, key=_Match.key) if found else None
-    decided = first is not None and first.rule is not None
+    rule = first.rule if first is not None else None
     # No rule, or only a weak one (a symptom, a bare exception name): a confident log model decides.
     # It reads only a log with a line that looks like an error (unknown_evidence; a healthy log's
     # warnings are no failure), and never a job Batch stopped from outside.
-    if (by_exit_code is None and model is not None and found and not _stopped(rules, status_reason)
-            and (not decided or first.rule.tier in WEAK_TIERS)):
+    if (found and (rule is None or rule.tier in WEAK_TIERS) and by_exit_code is None and model is not None
+            and not _stopped(rules, status_reason)):
         guess = (load_model() if model == "packaged" else model).guess([(s.node, s.lines) for s in sources])
-        if guess is not None and guess.cls in rules.classes and not (decided and guess.cls == first.rule.cls):
+        if guess is not None and guess.cls in rules.classes and not (rule is not None and guess.cls == rule.cls):
             return _from_guess(rules, guess, sources, exit_code)
     # A symptom (a peer went away) or a generic exception name says less than the step's own exit code.
-    if first is not None and first.rule is not None and not (first.rule.tier in WEAK_TIERS and by_exit_code):
-        return _from_class(rules, first.rule.cls, _evidence(first, found), first.evidence.node,
-                           exit_code=exit_code, rule=first.rule)
+    if first is not None and rule is not None and not (rule.tier in WEAK_TIERS and by_exit_code):
+        return _from_class(rules, rule.cls, _evidence(first, found), first.evidence.node, exit_code=exit_code,
+                           rule=rule)
     recent = [m.evidence for m in sorted(found, key=lambda m: m.order)][-MAX_EVIDENCE:]
     earliest = min(found, key=lambda m: (m.evidence.time is None, m.evidence.time or 0.0, m.order)) if found else None
     return _from_class(rules, by_exit_code or UNKNOWN, tuple(recent), earliest.evidence.node if earliest else None,

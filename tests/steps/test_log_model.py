@@ -1,6 +1,6 @@
-"""The failure classifier's log model: what no rule names, classified from the corpus it was fit on,
-marked as the model's answer, with its evidence; computed as scikit-learn computes it; refit with
-the corpus."""
+"""The failure classifier's log model: what no rule names (or only a weak rule), classified from the
+corpus it was fit on, marked as the model's answer, with its evidence; computed as scikit-learn
+computes it; refit with the corpus."""
 
 from __future__ import annotations
 
@@ -50,6 +50,17 @@ def test_what_no_rule_names_the_model_classifies_and_says_so() -> None:
     assert "Decided by: the log model, probability" in diagnosis.text()
     answer = diagnosis.as_dict()
     assert answer["decided_by"] == "log model" and 0.5 <= answer["probability"] <= 1
+
+
+def test_a_confident_model_outranks_a_bare_exception_name() -> None:
+    """The generic rule reads any exception class at a traceback's end as user code; the model has
+    seen SageMaker's capacity error (the corpus's grand-challenge-2631 case)."""
+    (case,) = [c for c in CASES if c["id"] == "grand-challenge-2631-sagemaker-capacityerror"]
+    logs, reason = [NodeLog.from_text("main", case["log"])], case["status_reason"]
+    by_rules = classify(logs, status_reason=reason, model=None)
+    assert (by_rules.cls, by_rules.evidence[0].rule) == ("user_code_error", "python-exception-any")
+    diagnosis = classify(logs, status_reason=reason)
+    assert (diagnosis.cls, diagnosis.decided_by) == ("capacity_or_infrastructure", "log model")
 
 
 def test_below_its_minimum_probability_the_model_says_unknown() -> None:
