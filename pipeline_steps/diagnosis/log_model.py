@@ -99,7 +99,9 @@ class LogModel:
         return {g: v / norm for g, v in values.items()}
 
     def probabilities(self, text: str) -> dict[str, float]:
-        x = self.vector(text)
+        return self._softmax(self.vector(text))
+
+    def _softmax(self, x: dict[str, float]) -> dict[str, float]:
         scores = [b + sum(v * self.weights[g][k + 1] for g, v in x.items()) for k, b in enumerate(self.intercept)]
         top = max(scores)
         exp = [math.exp(s - top) for s in scores]
@@ -110,16 +112,19 @@ class LogModel:
         lines = self.select(logs)
         if not lines:
             return None
-        text = "\n".join(line.text for line in lines)
-        probabilities = self.probabilities(text)
+        x = self.vector("\n".join(line.text for line in lines))
+        probabilities = self._softmax(x)
         cls = max(probabilities, key=probabilities.__getitem__)
         if probabilities[cls] < self.min_probability:
             return None
-        x, k = self.vector(text), self.classes.index(cls) + 1
-        weight = [sum(x.get(g, 0.0) * self.weights[g][k] for g in set(char_ngrams(normalise(line.text),
-                                                                               *self.ngram_range)) if g in x)
-                  for line in lines]
-        best = sorted(range(len(lines)), key=lambda i: -weight[i])[:evidence]
+        column = self.classes.index(cls) + 1
+
+        def weight(line: Line) -> float:
+            """What the line's n-grams add to the class's score."""
+            grams = set(char_ngrams(normalise(line.text), *self.ngram_range)) & x.keys()
+            return sum(x[g] * self.weights[g][column] for g in grams)
+
+        best = sorted(range(len(lines)), key=lambda i: -weight(lines[i]))[:evidence]
         return Guess(cls, probabilities[cls], tuple(lines[i] for i in sorted(best)))
 
 
