@@ -17,13 +17,14 @@ import functools
 import re
 import tomllib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib import resources
 from pathlib import Path
 from typing import Literal
 
 from .log_model import Guess, LogModel, load_model
+from .prefilter import may_match, required_literals
 
 TIERS = ("cause", "likely", "generic", "symptom")
 GENERIC = TIERS.index("generic")
@@ -63,6 +64,8 @@ class Rule:
     retryable: bool | None = None
     suggestion: str | None = None
     docs: str | None = None
+    literals: tuple[str, ...] | None = None
+    """Lower-case strings one of which every match contains (prefilter.py); None: always search."""
 
 
 @dataclass(frozen=True)
@@ -73,18 +76,16 @@ class Rules:
     ignore: re.Pattern[str] | None
     unknown_evidence: re.Pattern[str]
     external_stop: re.Pattern[str] | None
-    any_rule: re.Pattern[str] = field(repr=False)
-    """All patterns in one expression: most lines match none, and are skipped with one search."""
 
     def best_rule(self, text: str) -> Rule | None:
         """The rule a line takes: the lowest tier, then the first in the file. A generic rule (a bare
         exception name) only when no other rule names the line: an exception class another rule
-        knows, even as a symptom, is that rule's."""
+        knows, even as a symptom, is that rule's. A rule is searched only on a line holding one of
+        the strings its every match needs (most lines hold none)."""
         if self.ignore is not None and self.ignore.search(text):
             return None
-        if not self.any_rule.search(text):
-            return None
-        found = [r for r in self.rules if r.pattern.search(text)]
+        lowered = text.lower()
+        found = [r for r in self.rules if may_match(r.literals, lowered) and r.pattern.search(text)]
         named = [r for r in found if r.tier != GENERIC]
         return min(named or found, key=lambda r: r.tier) if found else None
 
@@ -117,8 +118,9 @@ def _rule(entry: object, classes: Mapping[str, FailureClass], where: str) -> Rul
         raise ValueError(f"{at}: tier {entry['tier']!r} is not one of {TIERS}")
     if "retryable" in entry and not isinstance(entry["retryable"], bool):
         raise ValueError(f"{at}: retryable must be true or false")
-    return Rule(entry["id"], entry["class"], TIERS.index(entry["tier"]), _compile(entry["patterns"], at),
-                entry.get("retryable"), entry.get("suggestion"), entry.get("docs"))
+    pattern = _compile(entry["patterns"], at)
+    return Rule(entry["id"], entry["class"], TIERS.index(entry["tier"]), pattern, entry.get("retryable"),
+                entry.get("suggestion"), entry.get("docs"), required_literals(pattern.pattern))
 
 
 def parse_rules(text: str, where: str = _RULES_FILE) -> Rules:
@@ -144,8 +146,7 @@ def parse_rules(text: str, where: str = _RULES_FILE) -> Rules:
                  ignore=_compile(ignore, f"{where}: ignore") if ignore else None,
                  unknown_evidence=_compile([data.get("unknown_evidence", "error")], f"{where}: unknown_evidence"),
                  external_stop=_compile(data["external_stop"], f"{where}: external_stop") if "external_stop" in data
-                 else None,
-                 any_rule=_compile([r.pattern.pattern for r in rules], where))
+                 else None)
 
 
 @functools.cache

@@ -17,7 +17,8 @@ from stacks.constructs.failure_diagnosis import HANDLER, FailureDiagnosis
 EXPECTED = {"pipeline_steps/__init__.py", "pipeline_steps/diagnosis/__init__.py",
             "pipeline_steps/diagnosis/classifier.py", "pipeline_steps/diagnosis/handler.py",
             "pipeline_steps/diagnosis/job_logs.py", "pipeline_steps/diagnosis/rules.toml",
-            "pipeline_steps/diagnosis/log_model.py", "pipeline_steps/diagnosis/log_model.json.gz"}
+            "pipeline_steps/diagnosis/log_model.py", "pipeline_steps/diagnosis/log_model.json.gz",
+            "pipeline_steps/diagnosis/prefilter.py"}
 
 
 def test_the_function_ships_only_the_classifier_and_runs_on_the_standard_library(tmp_path: Path) -> None:
