@@ -119,8 +119,9 @@ def parse_history(events: list[dict[str, Any]]) -> tuple[list[StateVisit], dict[
                     pass
         elif kind == "TaskSucceeded" and current.name in jobs and not jobs[current.name].job_id:
             jobs[current.name].job_id = json.loads(event["taskSucceededEventDetails"].get("output") or "{}").get("JobId")
-    # A failed task whose state still exited was caught (e.g. ReadCurrentModel -> TrainFromScratch).
-    for visit in visits:
+    # A failed task that another state followed was caught (e.g. ReadCurrentModel -> NoProductionModel);
+    # the last state failed with the run (a Fail end state, or a task no Catch handled).
+    for visit in visits[:-1]:
         if visit.outcome == "failed" and visit.exited is not None and visit.name not in BATCH_STATES:
             visit.outcome = "caught"
     return visits, jobs

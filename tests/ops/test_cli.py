@@ -167,6 +167,7 @@ def test_status_shows_timeline_jobs_nodes_and_cost(world, capsys):
     assert out["cost"]["total_usd"] == pytest.approx(expected, abs=1e-3)
     assert out["cost"]["unpriced"] == []
     assert out["metrics"] == {"recall@10": 0.5} and out["gate_passed"] is True
+    assert {v["state"]: v["outcome"] for v in out["timeline"]}["ReadCurrentModel"] == "caught"  # nothing published
     # moto has no Price List API: the committed table priced the training type, and says so
     assert jobs["Train"]["price_source"].startswith("committed table")
     assert jobs["Prepare"]["price_source"] == "override (--price)"
@@ -180,6 +181,9 @@ def test_status_of_a_failed_run_names_the_step_job_and_reason(world, capsys):
     assert "FAILED" in text and "failed in Train" in text
     out = run_json(capsys, "status", "run-failed")
     assert out["failure"]["state"] == "Train" and out["failure"]["error"] == "States.TaskFailed"
+    # the Fail end state failed with the run; a task whose error a Catch handled was caught
+    outcomes = {v["state"]: v["outcome"] for v in out["timeline"]}
+    assert (outcomes["Failed"], outcomes["DiagnoseFailure"]) == ("failed", "succeeded")
     train = next(j for j in out["jobs"] if j["step"] == "Train")
     assert out["failure"]["job_id"] == train["job_id"] and train["status"] == "FAILED"
     assert "Validate" not in [j["step"] for j in out["jobs"]]
