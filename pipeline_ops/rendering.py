@@ -17,6 +17,8 @@ def _usd(value: float | None) -> str:
     return "n/a" if value is None else f"${value:,.2f}"
 
 
+CAUSE_CHARS = 500
+"""A failed Batch task's cause is its whole DescribeJobs record: the text shows the start and says so."""
 _COLOUR = {"SUCCEEDED": "green", "FAILED": "red", "TIMED_OUT": "red", "ABORTED": "yellow", "RUNNING": "cyan",
            "succeeded": "green", "failed": "red", "caught": "yellow", "aborted": "yellow", "running": "cyan"}
 
@@ -67,7 +69,9 @@ def render_status(console: Any, out: dict[str, Any]) -> None:
             console.print(f"  job {f['job_id']}: {f['job_status_reason'] or 'no status reason'}")
             console.print(f"  logs: trainium-runs logs {out['run_id']} {(f['state'] or '').lower()}")
         if f["cause"]:
-            console.print(f"  cause: {str(f['cause'])[:500]}")
+            cause = str(f["cause"])
+            more = len(cause) - CAUSE_CHARS
+            console.print(f"  cause: {cause if more <= 0 else cause[:CAUSE_CHARS] + f'... ({more} more characters: --json)'}")
 
 
 def render_progress(console: Any, p: dict[str, Any]) -> None:

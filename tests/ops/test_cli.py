@@ -180,6 +180,9 @@ def test_status_of_a_failed_run_names_the_step_job_and_reason(world, capsys):
     text = capsys.readouterr().out
     assert "FAILED" in text and "failed in Train" in text
     out = run_json(capsys, "status", "run-failed")
+    # the cause (the job's whole DescribeJobs record) is cut visibly, never mid-record without a word
+    more = len(out["failure"]["cause"]) - 500
+    assert more > 0 and f"... ({more} more characters: --json)" in " ".join(text.split())  # rich wraps lines
     assert out["failure"]["state"] == "Train" and out["failure"]["error"] == "States.TaskFailed"
     # the Fail end state failed with the run; a task whose error a Catch handled was caught
     outcomes = {v["state"]: v["outcome"] for v in out["timeline"]}
