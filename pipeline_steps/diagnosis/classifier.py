@@ -379,14 +379,19 @@ def classify(logs: Sequence[NodeLog], *, exit_code: int | None = None, status_re
     by_exit_code = _exit_code_class(rules, exit_code, status_reason)
     first = min(found, key=_Match.key) if found else None
     rule = first.rule if first is not None else None
-    # No rule, or only a weak one (a symptom, a bare exception name): a confident log model decides.
-    # It reads only a log with a line that looks like an error (unknown_evidence; a healthy log's
-    # warnings are no failure), and never a job Batch stopped from outside.
+    # No rule, or only a weak one (a symptom, a bare exception name): a confident log model decides,
+    # and a model that leans elsewhere leaves a bare exception name's class unsaid (unknown). It reads only a
+    # log with a line that looks like an error (unknown_evidence; a healthy log's warnings are no
+    # failure), and never a job Batch stopped from outside.
     if (found and (rule is None or rule.tier in WEAK_TIERS) and by_exit_code is None and model is not None
             and not _stopped(rules, status_reason)):
-        guess = (load_model() if model == "packaged" else model).guess([(s.node, s.lines) for s in sources])
+        log_model = load_model() if model == "packaged" else model
+        guess = log_model.guess([(s.node, s.lines) for s in sources])
         if guess is not None and guess.cls in rules.classes and not (rule is not None and guess.cls == rule.cls):
-            return _from_guess(rules, guess, sources, exit_code)
+            if guess.probability >= log_model.min_probability:
+                return _from_guess(rules, guess, sources, exit_code)
+            if rule is not None and rule.tier == GENERIC and guess.probability >= log_model.doubt_probability:
+                rule = None
     # A symptom (a peer went away) or a generic exception name says less than the step's own exit code.
     if first is not None and rule is not None and not (rule.tier in WEAK_TIERS and by_exit_code):
         return _from_class(rules, rule.cls, _evidence(first, found), first.evidence.node, exit_code=exit_code,

@@ -72,6 +72,9 @@ class LogModel:
     line_pattern: re.Pattern[str]
     context: int
     min_probability: float
+    doubt_probability: float
+    """A bare exception name's class (the generic rule) stands only when the model gives no other
+    class this much."""
     weights: dict[str, tuple[float, ...]]
     """n-gram -> (idf, one coefficient per class)."""
     intercept: tuple[float, ...]
@@ -79,7 +82,7 @@ class LogModel:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LogModel:
         return cls(tuple(data["classes"]), tuple(data["ngram_range"]), re.compile(data["line_pattern"], re.I),
-                   data["context"], data["min_probability"],
+                   data["context"], data["min_probability"], data["doubt_probability"],
                    {gram: tuple(values) for gram, values in data["weights"].items()}, tuple(data["intercept"]))
 
     def select(self, logs: Sequence[tuple[str, Sequence[str]]]) -> list[Line]:
@@ -108,15 +111,14 @@ class LogModel:
         return {name: e / sum(exp) for name, e in zip(self.classes, exp)}
 
     def guess(self, logs: Sequence[tuple[str, Sequence[str]]], evidence: int = 3) -> Guess | None:
-        """The most probable class of the selected lines, when it reaches `min_probability`."""
+        """The most probable class of the selected lines (None: no line looks like a failure); the
+        caller decides what its probability is enough for (min_probability, doubt_probability)."""
         lines = self.select(logs)
         if not lines:
             return None
         x = self.vector("\n".join(line.text for line in lines))
         probabilities = self._softmax(x)
         cls = max(probabilities, key=probabilities.__getitem__)
-        if probabilities[cls] < self.min_probability:
-            return None
         column = self.classes.index(cls) + 1
 
         def weight(line: Line) -> float:

@@ -63,6 +63,16 @@ def test_a_confident_model_outranks_a_bare_exception_name() -> None:
     assert (diagnosis.cls, diagnosis.decided_by) == ("capacity_or_infrastructure", "log model")
 
 
+def test_a_bare_exception_name_stands_only_when_the_model_leans_nowhere_else() -> None:
+    (case,) = [c for c in CASES if c["id"] == "grand-challenge-2631-sagemaker-capacityerror"]
+    logs, reason = [NodeLog.from_text("main", case["log"])], case["status_reason"]
+    unsure = replace(load_model(), min_probability=1.0)  # never decides here, so only its doubt counts
+    doubting = classify(logs, status_reason=reason, model=replace(unsure, doubt_probability=0.0))
+    assert (doubting.cls, doubting.decided_by) == (UNKNOWN, "nothing")
+    trusting = classify(logs, status_reason=reason, model=replace(unsure, doubt_probability=1.0))
+    assert (trusting.cls, trusting.decided_by) == ("user_code_error", "rule")
+
+
 def test_below_its_minimum_probability_the_model_says_unknown() -> None:
     unsure = replace(load_model(), min_probability=1.0)
     diagnosis = classify([NodeLog("main", tuple(CHECKPOINT))], model=unsure)
