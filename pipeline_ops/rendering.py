@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+CAUSE_CHARS = 500
+"""A failed Batch task's cause is its whole DescribeJobs record: the text shows the start and says so."""
+
 
 def _hms(seconds: float | None) -> str:
     if seconds is None:
@@ -17,8 +20,6 @@ def _usd(value: float | None) -> str:
     return "n/a" if value is None else f"${value:,.2f}"
 
 
-CAUSE_CHARS = 500
-"""A failed Batch task's cause is its whole DescribeJobs record: the text shows the start and says so."""
 _COLOUR = {"SUCCEEDED": "green", "FAILED": "red", "TIMED_OUT": "red", "ABORTED": "yellow", "RUNNING": "cyan",
            "succeeded": "green", "failed": "red", "caught": "yellow", "aborted": "yellow", "running": "cyan"}
 
@@ -71,7 +72,8 @@ def render_status(console: Any, out: dict[str, Any]) -> None:
         if f["cause"]:
             cause = str(f["cause"])
             more = len(cause) - CAUSE_CHARS
-            console.print(f"  cause: {cause if more <= 0 else cause[:CAUSE_CHARS] + f'... ({more} more characters: --json)'}")
+            shown = cause if more <= 0 else f"{cause[:CAUSE_CHARS]}... ({more} more characters: --json)"
+            console.print(f"  cause: {shown}")
 
 
 def render_progress(console: Any, p: dict[str, Any]) -> None:

@@ -99,6 +99,9 @@ def fit_pipeline(cases: Sequence[dict[str, Any]]) -> Any:
 
     texts = [(model_text(case), case["class"]) for case in cases]
     texts = [(text, cls) for text, cls in texts if text]
+    if len({cls for _, cls in texts}) < 3:
+        # two classes make scikit-learn fit one sigmoid, not the softmax log_model.py applies
+        raise SystemExit("the log model needs cases of at least 3 classes with a line that looks like a failure")
     vectorizer = TfidfVectorizer(
         analyzer="char_wb",
         ngram_range=NGRAM_RANGE,

@@ -24,16 +24,18 @@ from pathlib import Path
 from typing import Literal
 
 from .log_model import Guess, LogModel, load_model
-from .prefilter import may_match, required_literals
+from .prefilter import lowered, may_match, required_literals
 
 TIERS = ("cause", "likely", "generic", "symptom")
 GENERIC = TIERS.index("generic")
 WEAK_TIERS = frozenset({GENERIC, TIERS.index("symptom")})
 """Tiers that say less than the step's own exit code, and than a confident log model."""
+STEP_RETRYABLE = 75
+"""The steps' own exit code for a transient failure (pipeline_contract.ExitCode.RETRYABLE)."""
 SIGNAL_EXIT_CODES = 128
 """Exit codes above this are 128 + a signal number (137: SIGKILL)."""
 UNKNOWN = "unknown"
-DECIDED_BY = ("rule", "exit code", "log model", "nothing")
+DecidedBy = Literal["rule", "exit code", "log model", "nothing"]
 STATUS_REASON = "status reason"
 """The node name of the Batch status reason, classified as one more line."""
 MAX_EVIDENCE = 5
@@ -84,8 +86,8 @@ class Rules:
         the strings its every match needs (most lines hold none)."""
         if self.ignore is not None and self.ignore.search(text):
             return None
-        lowered = text.lower()
-        found = [r for r in self.rules if may_match(r.literals, lowered) and r.pattern.search(text)]
+        line = lowered(text)
+        found = [r for r in self.rules if may_match(r.literals, line) and r.pattern.search(text)]
         named = [r for r in found if r.tier != GENERIC]
         return min(named or found, key=lambda r: r.tier) if found else None
 
@@ -249,8 +251,7 @@ class Diagnosis:
     summary: str
     node: str | None
     """The node of the deciding line: where the first error appeared."""
-    decided_by: str = "rule"
-    """One of DECIDED_BY."""
+    decided_by: DecidedBy = "rule"
     probability: float | None = None
     """The log model's probability of the class, when the model decided."""
 
@@ -332,14 +333,14 @@ def _evidence(decisive: _Match, matches: list[_Match]) -> tuple[Evidence, ...]:
 
 
 def _from_class(rules: Rules, name: str, evidence: tuple[Evidence, ...], node: str | None, *,
-                exit_code: int | None, rule: Rule | None = None, decided_by: str = "rule",
+                exit_code: int | None, rule: Rule | None = None, decided_by: DecidedBy = "rule",
                 probability: float | None = None) -> Diagnosis:
     info = rules.classes[name]
     retryable = info.retryable
     if rule is not None and rule.retryable is not None:
         retryable = rule.retryable
     if name == UNKNOWN:
-        retryable = exit_code == 75  # the step said so (contract.ExitCode.RETRYABLE)
+        retryable = exit_code == STEP_RETRYABLE  # the step said so
     return Diagnosis(name, retryable, evidence, (rule and rule.suggestion) or info.suggestion,
                      (rule and rule.docs) or info.docs, info.summary, node, decided_by, probability)
 
@@ -357,12 +358,19 @@ def _stopped(rules: Rules, status_reason: str | None) -> bool:
     return bool(status_reason and rules.external_stop and rules.external_stop.search(status_reason))
 
 
-def _from_guess(rules: Rules, guess: Guess, sources: Sequence[NodeLog], exit_code: int | None) -> Diagnosis:
+def _earliest(found: list[_Match]) -> str | None:
+    """The node of the earliest line that looks like an error: by time, else node and line order."""
+    if not found:
+        return None
+    return min(found, key=lambda m: (m.evidence.time is None, m.evidence.time or 0.0, m.order)).evidence.node
+
+
+def _from_guess(rules: Rules, guess: Guess, sources: Sequence[NodeLog], found: list[_Match],
+                exit_code: int | None) -> Diagnosis:
     times = {(s.node, i + 1): t for s in sources for i, t in enumerate(s.line_times())}
     evidence = tuple(Evidence(line.node, line.number, _shown(line.text), None, times.get((line.node, line.number)))
                      for line in guess.lines)
-    first = min(evidence, key=lambda e: (e.time is None, e.time or 0.0))
-    return _from_class(rules, guess.cls, evidence, first.node, exit_code=exit_code, decided_by="log model",
+    return _from_class(rules, guess.cls, evidence, _earliest(found), exit_code=exit_code, decided_by="log model",
                        probability=guess.probability)
 
 
@@ -382,14 +390,14 @@ def classify(logs: Sequence[NodeLog], *, exit_code: int | None = None, status_re
     # No rule, or only a weak one (a symptom, a bare exception name): a confident log model decides,
     # and a model that leans elsewhere leaves a bare exception name's class unsaid (unknown). It reads only a
     # log with a line that looks like an error (unknown_evidence; a healthy log's warnings are no
-    # failure), and never a job Batch stopped from outside.
+    # failure), and never against the step's own exit 75 (retryable) nor for a job Batch stopped from outside.
     if (found and (rule is None or rule.tier in WEAK_TIERS) and by_exit_code is None and model is not None
-            and not _stopped(rules, status_reason)):
+            and exit_code != STEP_RETRYABLE and not _stopped(rules, status_reason)):
         log_model = load_model() if model == "packaged" else model
         guess = log_model.guess([(s.node, s.lines) for s in sources])
         if guess is not None and guess.cls in rules.classes and not (rule is not None and guess.cls == rule.cls):
             if guess.probability >= log_model.min_probability:
-                return _from_guess(rules, guess, sources, exit_code)
+                return _from_guess(rules, guess, sources, found, exit_code)
             if rule is not None and rule.tier == GENERIC and guess.probability >= log_model.doubt_probability:
                 rule = None
     # A symptom (a peer went away) or a generic exception name says less than the step's own exit code.
@@ -397,6 +405,5 @@ def classify(logs: Sequence[NodeLog], *, exit_code: int | None = None, status_re
         return _from_class(rules, rule.cls, _evidence(first, found), first.evidence.node, exit_code=exit_code,
                            rule=rule)
     recent = [m.evidence for m in sorted(found, key=lambda m: m.order)][-MAX_EVIDENCE:]
-    earliest = min(found, key=lambda m: (m.evidence.time is None, m.evidence.time or 0.0, m.order)) if found else None
-    return _from_class(rules, by_exit_code or UNKNOWN, tuple(recent), earliest.evidence.node if earliest else None,
-                       exit_code=exit_code, decided_by="exit code" if by_exit_code else "nothing")
+    return _from_class(rules, by_exit_code or UNKNOWN, tuple(recent), _earliest(found), exit_code=exit_code,
+                       decided_by="exit code" if by_exit_code else "nothing")

@@ -25,7 +25,8 @@ from typing import Any
 
 MODEL_FILE = "log_model.json.gz"
 MAX_LINES = 400
-"""The model reads at most the last 400 selected lines (a long tail says no more, and costs time)."""
+"""The model reads at most 400 selected lines, an equal share of each node's last ones (a long tail
+says no more, and costs time; the main node, listed first, is always read)."""
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 _HEX = re.compile(r"0x[0-9a-fA-F]+")
 _DIGITS = re.compile(r"\d+")
@@ -86,13 +87,23 @@ class LogModel:
                    {gram: tuple(values) for gram, values in data["weights"].items()}, tuple(data["intercept"]))
 
     def select(self, logs: Sequence[tuple[str, Sequence[str]]]) -> list[Line]:
-        """The lines that look like a failure, with `context` lines either side, of every node."""
-        chosen = []
+        """The lines that look like a failure, with `context` lines either side, of every node. A
+        line another node (or the same one) already showed, numbers aside, is read once: a hundred
+        workers printing one error must not outweigh the main node's."""
+        share = max(MAX_LINES // max(len(logs), 1), 1)
+        chosen: list[Line] = []
+        seen: set[str] = set()
         for node, lines in logs:
             keep = sorted({j for i, text in enumerate(lines) if self.line_pattern.search(text)
                            for j in range(max(i - self.context, 0), min(i + self.context + 1, len(lines)))})
-            chosen += [Line(node, j + 1, lines[j].strip()) for j in keep]
-        return chosen[-MAX_LINES:]
+            picked = []
+            for j in keep:
+                key = " ".join(normalise(lines[j]).split())
+                if key not in seen:
+                    seen.add(key)
+                    picked.append(Line(node, j + 1, lines[j].strip()))
+            chosen += picked[-share:]
+        return chosen
 
     def vector(self, text: str) -> dict[str, float]:
         """TF-IDF (sublinear tf, l2-normalised) over the model's n-grams, as scikit-learn computes it."""
@@ -111,11 +122,17 @@ class LogModel:
         return {name: e / sum(exp) for name, e in zip(self.classes, exp)}
 
     def guess(self, logs: Sequence[tuple[str, Sequence[str]]], evidence: int = 3) -> Guess | None:
-        """The most probable class of the selected lines (None: no line looks like a failure); the
-        caller decides what its probability is enough for (min_probability, doubt_probability)."""
-        lines = self.select(logs)
-        if not lines:
-            return None
+        """The class of the node the model is surest about (None: no line looks like a failure): each
+        node is read on its own, so a hundred workers' symptoms do not dilute the one node with the
+        cause. The caller decides what the probability is enough for (min_probability,
+        doubt_probability)."""
+        by_node: dict[str, list[Line]] = {}
+        for line in self.select(logs):
+            by_node.setdefault(line.node, []).append(line)
+        guesses = [self._guess(lines, evidence) for lines in by_node.values()]
+        return max(guesses, key=lambda g: g.probability, default=None)
+
+    def _guess(self, lines: list[Line], evidence: int) -> Guess:
         x = self.vector("\n".join(line.text for line in lines))
         probabilities = self._softmax(x)
         cls = max(probabilities, key=probabilities.__getitem__)

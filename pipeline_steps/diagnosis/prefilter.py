@@ -69,6 +69,16 @@ def required_literals(pattern: str) -> tuple[str, ...] | None:
     return tuple(sorted(s.lower() for s in found))
 
 
-def may_match(literals: tuple[str, ...] | None, lowered: str) -> bool:
-    """Whether a line (lower-cased) can match a pattern with these required literals."""
-    return literals is None or any(s in lowered for s in literals)
+# re.IGNORECASE also matches ASCII i and s to dotless i (U+0131) and long s (U+017F), which
+# str.lower() leaves as they are (https://docs.python.org/3/library/re.html#re.IGNORECASE).
+_ASCII_FOLDS = str.maketrans({"\u0131": "i", "\u017f": "s"})
+
+
+def lowered(line: str) -> str:
+    """The line as the literals are compared with it: lower case, with IGNORECASE's ASCII folds."""
+    return line.lower().translate(_ASCII_FOLDS)
+
+
+def may_match(literals: tuple[str, ...] | None, lowered_line: str) -> bool:
+    """Whether a line (as `lowered` gives it) can match a pattern with these required literals."""
+    return literals is None or any(s in lowered_line for s in literals)

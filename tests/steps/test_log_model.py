@@ -79,13 +79,26 @@ def test_below_its_minimum_probability_the_model_says_unknown() -> None:
     assert (diagnosis.cls, diagnosis.decided_by, diagnosis.probability) == (UNKNOWN, "nothing", None)
 
 
-@pytest.mark.parametrize("exit_code, status_reason, expected, decided_by", [
-    (65, None, "bad_input", "exit code"),       # this project's own exit code outranks the model
-    (None, "Host EC2 (instance i-0abc) terminated.", "capacity_or_infrastructure", "rule"),
+@pytest.mark.parametrize("exit_code, status_reason, expected, decided_by, retryable", [
+    (65, None, "bad_input", "exit code", False),  # this project's own exit codes outrank the model,
+    (75, None, UNKNOWN, "nothing", True),           # its retryable one too: Batch retries, the advice agrees
+    (None, "Host EC2 (instance i-0abc) terminated.", "capacity_or_infrastructure", "rule", True),
 ])
-def test_the_model_never_overrides_a_rule_or_the_exit_code(exit_code, status_reason, expected, decided_by) -> None:
+def test_the_model_never_overrides_a_rule_or_the_exit_code(exit_code, status_reason, expected, decided_by,
+                                                           retryable) -> None:
     diagnosis = classify([NodeLog("main", tuple(CHECKPOINT))], exit_code=exit_code, status_reason=status_reason)
-    assert (diagnosis.cls, diagnosis.decided_by) == (expected, decided_by)
+    assert (diagnosis.cls, diagnosis.decided_by, diagnosis.retryable) == (expected, decided_by, retryable)
+
+
+def test_a_hundred_workers_repeating_one_line_do_not_drown_the_main_node() -> None:
+    """The main node's checkpoint failure; every worker then prints torchrun's shutdown (real lines,
+    the corpus's nxdt-known-issues case), each with its own process id."""
+    workers = [NodeLog.from_text(f"node-{i}", "\n".join(
+        f"WARNING:torch.distributed.elastic.multiprocessing.api:Sending process {3721028 + 4 * i + k} closing "
+        "signal SIGTERM" for k in range(4))) for i in range(1, 101)]
+    diagnosis = classify([NodeLog("node-0", tuple(CHECKPOINT)), *workers])
+    assert (diagnosis.cls, diagnosis.decided_by, diagnosis.node) == ("storage_error", "log model", "node-0")
+    assert any(e.node == "node-0" and "cannot be opened" in e.text for e in diagnosis.evidence)
 
 
 def test_the_command_prints_the_models_answer(tmp_path: Path) -> None:
