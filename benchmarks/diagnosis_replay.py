@@ -2,22 +2,27 @@
 
     python -m benchmarks.diagnosis_replay                     # replay every holdout set of the corpus
     python -m benchmarks.diagnosis_replay --score NEW.toml    # score a new set (corpus format) once
+    python -m benchmarks.diagnosis_replay --speed             # a 100-node job's classification time
 
 Replay: each holdout set of tests/steps/failure_corpus was collected after the rules of its day and
 scored once with them. For each set, this takes the rules.toml of that day from git (the parent of
 the commit that added the set), fits the log model on the cases that existed then (the sets before
 it), and scores the set three ways: the rules alone (the recorded first score), rules + model at the
 model's min_probability (what ships), rules + model always answering. Score: today's rules and the
-packaged model on a file of new cases, before any of them is added to the corpus.
-Method and figures: docs/operations.md, "Why a run failed".
+packaged model on a file of new cases, before any of them is added to the corpus. Speed: the time
+to classify a 100-node job's tails (500 lines each: a healthy run's log, the last node failing),
+with the rules' prefilter and without it, in one process. Method and figures: docs/operations.md,
+"Why a run failed".
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
@@ -125,10 +130,33 @@ def replay() -> None:
     print(_row("all", sum(total["rules"].values()), total))
 
 
+def speed(nodes: int = 100, lines: int = 500) -> None:
+    """Seconds to classify a wide job's tails with and without the rules' prefilter, and their ratio."""
+    healthy = (CORPUS / "healthy.log").read_text("utf-8").splitlines()
+    tail = tuple((healthy * (lines // len(healthy) + 1))[:lines])
+    (failing,) = [c for c in load_cases(corpus_files()) if c["id"] == "ronin-51-checkpoint-cannot-be-opened"]
+    logs = [NodeLog(f"node-{i}", tail) for i in range(nodes - 1)]
+    logs.append(NodeLog(f"node-{nodes - 1}", tail[: lines - 2] + tuple(failing["log"].splitlines())))
+    rules = load_rules()
+    unfiltered = replace(rules, rules=tuple(replace(rule, literals=None) for rule in rules.rules))
+    seconds = {}
+    for name, these in (("prefiltered", rules), ("every rule on every line", unfiltered)):
+        start = time.perf_counter()
+        got = classify(logs, rules=these).cls
+        seconds[name] = time.perf_counter() - start
+        print(f"{nodes} nodes x {lines} lines, {name}: {seconds[name]:.1f} s ({got})", flush=True)
+    print(f"speed-up: {seconds['every rule on every line'] / seconds['prefiltered']:.1f}x "
+          f"(load average {os.getloadavg()[0]:.2f})")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--score", type=Path, metavar="FILE", help="score the cases of FILE (corpus format) once")
+    parser.add_argument("--speed", action="store_true", help="time a 100-node job's classification")
     args = parser.parse_args(argv)
+    if args.speed:
+        speed()
+        return 0
     if args.score is None:
         replay()
         return 0

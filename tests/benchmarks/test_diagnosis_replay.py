@@ -58,3 +58,11 @@ def test_the_sets_come_in_order_and_an_unknown_split_is_refused() -> None:
     assert sorted(splits, key=diagnosis_replay.split_rank) == ["dev", "project", "holdout", "holdout2", "holdout10"]
     with pytest.raises(ValueError, match="unknown split 'scratch'"):
         diagnosis_replay.split_rank("scratch")
+
+
+def test_the_speed_run_times_both_ways_on_the_same_answer(capsys) -> None:
+    diagnosis_replay.speed(nodes=3, lines=40)
+    prefiltered, unfiltered, ratio = capsys.readouterr().out.splitlines()
+    assert prefiltered.startswith("3 nodes x 40 lines, prefiltered: ") and prefiltered.endswith("(storage_error)")
+    assert unfiltered.startswith("3 nodes x 40 lines, every rule on every line: ")
+    assert unfiltered.endswith("(storage_error)") and ratio.startswith("speed-up: ")
