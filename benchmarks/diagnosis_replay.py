@@ -1,18 +1,13 @@
-"""How the failure classifier does on logs it has not seen: the holdout sets replayed, or a new set scored.
+"""How the failure classifier does on logs it has not seen, and how fast it reads a wide job.
 
     python -m benchmarks.diagnosis_replay                     # replay every holdout set of the corpus
     python -m benchmarks.diagnosis_replay --score NEW.toml    # score a new set (corpus format) once
     python -m benchmarks.diagnosis_replay --speed             # a 100-node job's classification time
 
-Replay: each holdout set of tests/steps/failure_corpus was collected after the rules of its day and
-scored once with them. For each set, this takes the rules.toml of that day from git (the parent of
-the commit that added the set), fits the log model on the cases that existed then (the sets before
-it), and scores the set three ways: the rules alone (the recorded first score), rules + model at the
-model's min_probability (what ships), rules + model always answering. Score: today's rules and the
-packaged model on a file of new cases, before any of them is added to the corpus. Speed: the time
-to classify a 100-node job's tails (500 lines each: a healthy run's log, the last node failing),
-with the rules' prefilter and without it, in one process. Method and figures: docs/operations.md,
-"Why a run failed".
+Replay: each holdout set scored with the rules.toml of its day (from git) and a log model fit on the
+sets before it, three ways: rules alone, rules + model as shipped, rules + model always answering.
+Score: today's rules and model on new cases, before they join the corpus. Speed: a 100-node job's
+tails with the rules' prefilter and without it. Method and figures: docs/operations.md.
 """
 
 from __future__ import annotations
