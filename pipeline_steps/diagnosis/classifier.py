@@ -254,23 +254,19 @@ class Diagnosis:
     decided_by: DecidedBy = "rule"
     probability: float | None = None
     """The log model's probability of the class, when the model decided."""
+    model_note: str | None = None
+    """What the log model did: decided (and how sure it was), or doubted a bare exception name."""
 
     def as_dict(self) -> dict:
         return {"class": self.cls, "retryable": self.retryable, "evidence": [e.as_dict() for e in self.evidence],
                 "suggestion": self.suggestion, "docs": self.docs, "summary": self.summary, "node": self.node,
                 "decided_by": self.decided_by,
-                "probability": None if self.probability is None else round(self.probability, 3)}
+                "probability": None if self.probability is None else round(self.probability, 3),
+                "model_note": self.model_note}
 
     @property
     def retry(self) -> str:
         return "a retry can help" if self.retryable else "a retry will not help"
-
-    @property
-    def model_note(self) -> str | None:
-        """What to know when the log model decided: no rule named the failure."""
-        if self.probability is None:
-            return None
-        return f"the log model, probability {self.probability:.2f} (no rule named the cause; check the evidence)"
 
     def evidence_lines(self) -> list[str]:
         return [f"[{e.node} line {e.line}] {e.text}" for e in self.evidence]
@@ -334,7 +330,7 @@ def _evidence(decisive: _Match, matches: list[_Match]) -> tuple[Evidence, ...]:
 
 def _from_class(rules: Rules, name: str, evidence: tuple[Evidence, ...], node: str | None, *,
                 exit_code: int | None, rule: Rule | None = None, decided_by: DecidedBy = "rule",
-                probability: float | None = None) -> Diagnosis:
+                probability: float | None = None, model_note: str | None = None) -> Diagnosis:
     info = rules.classes[name]
     retryable = info.retryable
     if rule is not None and rule.retryable is not None:
@@ -342,7 +338,7 @@ def _from_class(rules: Rules, name: str, evidence: tuple[Evidence, ...], node: s
     if name == UNKNOWN:
         retryable = exit_code == STEP_RETRYABLE  # the step said so
     return Diagnosis(name, retryable, evidence, (rule and rule.suggestion) or info.suggestion,
-                     (rule and rule.docs) or info.docs, info.summary, node, decided_by, probability)
+                     (rule and rule.docs) or info.docs, info.summary, node, decided_by, probability, model_note)
 
 
 def _exit_code_class(rules: Rules, exit_code: int | None, status_reason: str | None) -> str | None:
@@ -370,8 +366,9 @@ def _from_guess(rules: Rules, guess: Guess, sources: Sequence[NodeLog], found: l
     times = {(s.node, i + 1): t for s in sources for i, t in enumerate(s.line_times())}
     evidence = tuple(Evidence(line.node, line.number, _shown(line.text), None, times.get((line.node, line.number)))
                      for line in guess.lines)
+    note = f"the log model, probability {guess.probability:.2f} (no rule named the cause; check the evidence)"
     return _from_class(rules, guess.cls, evidence, _earliest(found), exit_code=exit_code, decided_by="log model",
-                       probability=guess.probability)
+                       probability=guess.probability, model_note=note)
 
 
 def classify(logs: Sequence[NodeLog], *, exit_code: int | None = None, status_reason: str | None = None,
@@ -387,6 +384,7 @@ def classify(logs: Sequence[NodeLog], *, exit_code: int | None = None, status_re
     by_exit_code = _exit_code_class(rules, exit_code, status_reason)
     first = min(found, key=_Match.key) if found else None
     rule = first.rule if first is not None else None
+    doubt = None
     # No rule, or only a weak one (a symptom, a bare exception name): a confident log model decides,
     # and a model that leans elsewhere leaves a bare exception name's class unsaid (unknown). It reads only a
     # log with a line that looks like an error (unknown_evidence; a healthy log's warnings are no
@@ -399,6 +397,8 @@ def classify(logs: Sequence[NodeLog], *, exit_code: int | None = None, status_re
             if guess.probability >= log_model.min_probability:
                 return _from_guess(rules, guess, sources, found, exit_code)
             if rule is not None and rule.tier == GENERIC and guess.probability >= log_model.doubt_probability:
+                doubt = (f"nothing: the rules saw only a bare exception name ({rule.cls}) and the log model leans "
+                         f"to {guess.cls} (probability {guess.probability:.2f})")
                 rule = None
     # A symptom (a peer went away) or a generic exception name says less than the step's own exit code.
     if first is not None and rule is not None and not (rule.tier in WEAK_TIERS and by_exit_code):
@@ -406,4 +406,4 @@ def classify(logs: Sequence[NodeLog], *, exit_code: int | None = None, status_re
                            rule=rule)
     recent = [m.evidence for m in sorted(found, key=lambda m: m.order)][-MAX_EVIDENCE:]
     return _from_class(rules, by_exit_code or UNKNOWN, tuple(recent), _earliest(found), exit_code=exit_code,
-                       decided_by="exit code" if by_exit_code else "nothing")
+                       decided_by="exit code" if by_exit_code else "nothing", model_note=doubt)

@@ -69,8 +69,10 @@ def test_a_bare_exception_name_stands_only_when_the_model_leans_nowhere_else() -
     unsure = replace(load_model(), min_probability=1.0)  # never decides here, so only its doubt counts
     doubting = classify(logs, status_reason=reason, model=replace(unsure, doubt_probability=0.0))
     assert (doubting.cls, doubting.decided_by) == (UNKNOWN, "nothing")
+    assert "Decided by: nothing: the rules saw only a bare exception name (user_code_error) and the log model " \
+           "leans to" in doubting.text()
     trusting = classify(logs, status_reason=reason, model=replace(unsure, doubt_probability=1.0))
-    assert (trusting.cls, trusting.decided_by) == ("user_code_error", "rule")
+    assert (trusting.cls, trusting.decided_by, trusting.model_note) == ("user_code_error", "rule", None)
 
 
 def test_below_its_minimum_probability_the_model_says_unknown() -> None:
