@@ -9,10 +9,13 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
+from sklearn.feature_extraction.text import TfidfVectorizer
+from sklearn.linear_model import LogisticRegression
 
 from pipeline_steps.diagnosis import UNKNOWN, NodeLog, classify
-from pipeline_steps.diagnosis.log_model import MODEL_FILE, load_model
+from pipeline_steps.diagnosis.log_model import MODEL_FILE, load_model, normalise
 from scripts.failure_model import OUTPUT, corpus_files, digest, fit_pipeline, load_cases, model_text
 
 from .conftest import run_cli
@@ -29,14 +32,33 @@ def test_the_shipped_model_is_fit_on_todays_corpus() -> None:
 
 
 def test_the_model_computes_scikit_learns_probabilities() -> None:
-    """The plain-Python TF-IDF and softmax (what the Lambda runs) against scikit-learn's, fit afresh."""
+    """The plain-Python TF-IDF and softmax (what the Lambda runs) against scikit-learn's own
+    transform and predict_proba, given the shipped numbers (a refit may differ in the last digits
+    from one BLAS or scikit-learn release to another; the arithmetic may not)."""
+    model = load_model()
+    grams = sorted(model.weights)
+    vectorizer = TfidfVectorizer(analyzer="char_wb", ngram_range=model.ngram_range, preprocessor=normalise,
+                                 sublinear_tf=True, vocabulary=grams).fit(["x"])
+    vectorizer.idf_ = np.array([model.weights[g][0] for g in grams])
+    regression = LogisticRegression()
+    regression.classes_ = np.array(model.classes)
+    regression.coef_ = np.array([[model.weights[g][k + 1] for g in grams] for k in range(len(model.classes))])
+    regression.intercept_ = np.array(model.intercept)
+    texts = [text for case in CASES if (text := model_text(case))] + ["", "NaN", "\u00a0oom\u2028Killed  "]
+    expected = regression.predict_proba(vectorizer.transform(texts))
+    worst = max(abs(model.probabilities(text)[name] - p) for text, row in zip(texts, expected)
+                for name, p in zip(model.classes, row))
+    assert worst < 1e-9
+
+
+def test_a_fresh_fit_of_the_corpus_gives_the_shipped_models_answers() -> None:
+    """scripts/failure_model.py's fit, run here, answers as the shipped file does (all but a borderline
+    case or two, should another BLAS or scikit-learn release move the last digits)."""
     pipeline, model = fit_pipeline(CASES), load_model()
     texts = [text for case in CASES if (text := model_text(case))]
-    expected = pipeline.predict_proba(texts)
-    assert list(pipeline.classes_) == list(model.classes)
-    worst = max(abs(model.probabilities(text)[name] - p) for text, row in zip(texts, expected)
-                for name, p in zip(pipeline.classes_, row))
-    assert worst < 2e-3  # the file keeps four significant digits
+    shipped = [max((p := model.probabilities(t)), key=p.__getitem__) for t in texts]
+    agree = sum(a == b for a, b in zip(pipeline.predict(texts), shipped))
+    assert agree >= 0.99 * len(texts), (agree, len(texts))
 
 
 def test_what_no_rule_names_the_model_classifies_and_says_so() -> None:
