@@ -138,7 +138,7 @@ def test_incremental_training_of_a_model_that_started_from_bert(pretrained_run: 
     assert checkpoint.load(checkpoint.latest(next_run))["config"]["model"]["norm_position"] == "post"
 
 
-def _untrained_against_sentence_transformers(run_dir: Path, bert_dir: Path, metric_tolerance: float) -> None:
+def _untrained_against_sentence_transformers(run_dir: Path, bert_dir: Path, queries_a_tie_may_move: int) -> None:
     """The pipeline's model before its first step embeds the catalog (with its numeric and
     categorical features) and the holdout queries as sentence-transformers embeds the texts with
     the same encoder (mean pooling, normalised), and so ranks the holdout as it does (up to the
@@ -158,13 +158,16 @@ def _untrained_against_sentence_transformers(run_dir: Path, bert_dir: Path, metr
     np.testing.assert_allclose(ours.query_embeddings, st_queries, atol=2e-5, rtol=0)
     ranked = metrics.top_k_by_dot(torch.from_numpy(st_queries), torch.from_numpy(st_products), metrics.RANK_DEPTH)
     expected = metrics.retrieval_metrics(ranked, holdout.relevant)
-    assert {k: ours.metrics[k] for k in expected} == pytest.approx(expected, abs=metric_tolerance)
+    # one query moves any of the metrics (recall@k, MRR, nDCG@10: each a mean over queries) by at most 1/n
+    tolerance = queries_a_tie_may_move / len(holdout.queries) + 1e-9
+    assert {k: ours.metrics[k] for k in expected} == pytest.approx(expected, abs=tolerance)
 
 
 def test_before_training_the_model_ranks_as_the_encoder_does_in_sentence_transformers(
         pretrained_run: Path, bert_dir: Path) -> None:
-    # A random BERT embeds the catalog's texts close together: near-ties swap within float32 noise.
-    _untrained_against_sentence_transformers(pretrained_run, bert_dir, metric_tolerance=5e-3)
+    # A random BERT embeds the catalog's texts close together: a near-tie at a cut-off may swap
+    # within float32 noise and move one query's hit (the embeddings themselves agree to 2e-5).
+    _untrained_against_sentence_transformers(pretrained_run, bert_dir, queries_a_tie_may_move=1)
 
 
 def test_before_training_all_minilm_l6_v2_ranks_as_in_sentence_transformers(tmp_path: Path) -> None:
@@ -175,7 +178,7 @@ def test_before_training_all_minilm_l6_v2_ranks_as_in_sentence_transformers(tmp_
     run_dir = tmp_path / "run"
     result = run_cli("prepare", "--run-dir", run_dir, "--demo", "--preset", "tiny", "--pretrained", minilm)
     assert result.returncode == 0, result.stderr[-3000:]
-    _untrained_against_sentence_transformers(run_dir, minilm, metric_tolerance=1e-9)
+    _untrained_against_sentence_transformers(run_dir, minilm, queries_a_tie_may_move=0)
 
 
 def test_a_pretrained_run_trains_with_its_own_defaults_recorded_in_the_checkpoint(pretrained_run: Path) -> None:
