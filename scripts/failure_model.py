@@ -87,7 +87,7 @@ def _selector() -> LogModel:
 
 
 def model_text(case: dict[str, Any]) -> str:
-    return "\n".join(line.text for line in _selector().select(case_logs(case)))
+    return "\n".join(line.text for lines in _selector().select(case_logs(case)) for line in lines)
 
 
 def fit_pipeline(cases: Sequence[dict[str, Any]]) -> Any:

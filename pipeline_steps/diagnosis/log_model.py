@@ -86,12 +86,12 @@ class LogModel:
                    data["context"], data["min_probability"], data["doubt_probability"],
                    {gram: tuple(values) for gram, values in data["weights"].items()}, tuple(data["intercept"]))
 
-    def select(self, logs: Sequence[tuple[str, Sequence[str]]]) -> list[Line]:
-        """The lines that look like a failure, with `context` lines either side, of every node. A
-        line another node (or the same one) already showed, numbers aside, is read once: a hundred
-        workers printing one error must not outweigh the main node's."""
+    def select(self, logs: Sequence[tuple[str, Sequence[str]]]) -> list[list[Line]]:
+        """Per node (those with any), the lines that look like a failure with `context` lines either
+        side. A line another node (or the same one) already showed, numbers aside, is read once: a
+        hundred workers printing one error must not outweigh the main node's."""
         share = max(MAX_LINES // max(len(logs), 1), 1)
-        chosen: list[Line] = []
+        by_node: list[list[Line]] = []
         seen: set[str] = set()
         for node, lines in logs:
             keep = sorted({j for i, text in enumerate(lines) if self.line_pattern.search(text)
@@ -102,8 +102,9 @@ class LogModel:
                 if key not in seen:
                     seen.add(key)
                     picked.append(Line(node, j + 1, lines[j].strip()))
-            chosen += picked[-share:]
-        return chosen
+            if picked:
+                by_node.append(picked[-share:])
+        return by_node
 
     def vector(self, text: str) -> dict[str, float]:
         """TF-IDF (sublinear tf, l2-normalised) over the model's n-grams, as scikit-learn computes it."""
@@ -119,23 +120,23 @@ class LogModel:
         scores = [b + sum(v * self.weights[g][k + 1] for g, v in x.items()) for k, b in enumerate(self.intercept)]
         top = max(scores)
         exp = [math.exp(s - top) for s in scores]
-        return {name: e / sum(exp) for name, e in zip(self.classes, exp)}
+        total = sum(exp)
+        return {name: e / total for name, e in zip(self.classes, exp)}
 
     def guess(self, logs: Sequence[tuple[str, Sequence[str]]], evidence: int = 3) -> Guess | None:
         """The class of the node the model is surest about (None: no line looks like a failure): each
         node is read on its own, so a hundred workers' symptoms do not dilute the one node with the
         cause. The caller decides what the probability is enough for (min_probability,
         doubt_probability)."""
-        by_node: dict[str, list[Line]] = {}
-        for line in self.select(logs):
-            by_node.setdefault(line.node, []).append(line)
-        guesses = [self._guess(lines, evidence) for lines in by_node.values()]
-        return max(guesses, key=lambda g: g.probability, default=None)
-
-    def _guess(self, lines: list[Line], evidence: int) -> Guess:
-        x = self.vector("\n".join(line.text for line in lines))
-        probabilities = self._softmax(x)
-        cls = max(probabilities, key=probabilities.__getitem__)
+        read = []
+        for lines in self.select(logs):
+            x = self.vector("\n".join(line.text for line in lines))
+            probabilities = self._softmax(x)
+            cls = max(probabilities, key=probabilities.__getitem__)
+            read.append((probabilities[cls], cls, x, lines))
+        if not read:
+            return None
+        probability, cls, x, lines = max(read, key=lambda r: r[0])
         column = self.classes.index(cls) + 1
 
         def weight(line: Line) -> float:
@@ -144,7 +145,7 @@ class LogModel:
             return sum(x[g] * self.weights[g][column] for g in grams)
 
         best = sorted(range(len(lines)), key=lambda i: -weight(lines[i]))[:evidence]
-        return Guess(cls, probabilities[cls], tuple(lines[i] for i in sorted(best)))
+        return Guess(cls, probability, tuple(lines[i] for i in sorted(best)))
 
 
 def parse_model(data: bytes, where: str = MODEL_FILE) -> LogModel:
