@@ -27,7 +27,7 @@ from typing import Any
 from pipeline_steps.diagnosis import UNKNOWN, NodeLog, Rules, classify, load_rules
 from pipeline_steps.diagnosis.classifier import parse_rules
 from pipeline_steps.diagnosis.log_model import LogModel, load_model
-from scripts.failure_model import CORPUS, REPO, corpus_files, fit, load_cases
+from scripts.failure_model import CORPUS, REPO, corpus_files, diagnose_case, fit, load_cases
 
 RULES_PATH = "pipeline_steps/diagnosis/rules.toml"
 OUTCOMES = ("right", "wrong", "unknown")
@@ -76,14 +76,7 @@ def rules_before(split: str) -> Rules | None:
 
 
 def outcome(case: dict[str, Any], rules: Rules, model: LogModel | None) -> str:
-    logs = case["logs"] if "logs" in case else {"main": case.get("log", "")}
-    got = classify(
-        [NodeLog.from_text(node, text) for node, text in logs.items()],
-        exit_code=case.get("exit_code"),
-        status_reason=case.get("status_reason"),
-        rules=rules,
-        model=model,
-    ).cls
+    got = diagnose_case(case, rules=rules, model=model).cls
     return "right" if got == case["class"] else "unknown" if got == UNKNOWN else "wrong"
 
 

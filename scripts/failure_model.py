@@ -18,8 +18,9 @@ import sys
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from pipeline_steps.diagnosis import Diagnosis, NodeLog, Rules, classify
 from pipeline_steps.diagnosis.classifier import STATUS_REASON
 from pipeline_steps.diagnosis.log_model import MODEL_FILE, LogModel, normalise
 
@@ -54,10 +55,27 @@ def load_cases(paths: Sequence[Path]) -> list[dict[str, Any]]:
     return [case for path in paths for case in tomllib.loads(path.read_text("utf-8"))["case"]]
 
 
+def node_logs(case: dict[str, Any]) -> list[NodeLog]:
+    """A case's node logs (`log` is one node's, `[case.logs]` one per node), main node first."""
+    logs = case["logs"] if "logs" in case else {"main": case.get("log", "")}
+    return [NodeLog.from_text(node, text) for node, text in logs.items()]
+
+
+def diagnose_case(case: dict[str, Any], *, rules: Rules | None = None,
+                  model: LogModel | None | Literal["packaged"] = "packaged") -> Diagnosis:
+    """The classifier's answer for a case, as for a job with those logs, exit code and status reason."""
+    return classify(node_logs(case), exit_code=case.get("exit_code"), status_reason=case.get("status_reason"),
+                    rules=rules, model=model)
+
+
+def case_lines(case: dict[str, Any]) -> list[str]:
+    """Every line of a case, the status reason's too."""
+    return [line for log in node_logs(case) for line in log.lines] + (case.get("status_reason") or "").splitlines()
+
+
 def case_logs(case: dict[str, Any]) -> list[tuple[str, list[str]]]:
     """A case as the classifier sees a job: each node's lines, then the status reason as one more line."""
-    logs = case["logs"] if "logs" in case else {"main": case.get("log", "")}
-    sources = [(node, text.splitlines()) for node, text in logs.items()]
+    sources = [(log.node, list(log.lines)) for log in node_logs(case)]
     if case.get("status_reason"):
         sources.append((STATUS_REASON, [" ".join(case["status_reason"].split())]))
     return sources

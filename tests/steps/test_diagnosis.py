@@ -8,7 +8,6 @@ import collections
 import json
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -16,30 +15,17 @@ import pytest
 from pipeline_steps.diagnosis import STATUS_REASON, UNKNOWN, NodeLog, classify, load_rules
 from pipeline_steps.diagnosis.classifier import TIERS, line_time, parse_rules
 from pipeline_steps.errors import ExitCode
+from scripts.failure_model import CORPUS, case_lines, corpus_files, diagnose_case, load_cases
 
 from .conftest import REPO, cli_env, run_cli
 
-CORPUS = Path(__file__).parent / "failure_corpus"
 RULES = load_rules()
 # The rules were written from "dev"; each holdout was collected afterwards and scored once before
 # any rule was tuned on it (docs/operations.md has the figures of that first scoring).
 MIN_RIGHT = 0.95
 
 
-def _cases() -> list[dict]:
-    cases = []
-    for path in sorted(CORPUS.glob("*.toml")):
-        cases += tomllib.loads(path.read_text("utf-8"))["case"]
-    return cases
-
-
-CASES = _cases()
-
-
-def _diagnose(case: dict):
-    logs = case["logs"] if "logs" in case else {"main": case.get("log", "")}
-    return classify([NodeLog.from_text(node, text) for node, text in logs.items()],
-                    exit_code=case.get("exit_code"), status_reason=case.get("status_reason"))
+CASES = load_cases(corpus_files())
 
 
 _RETRY_SEMANTICS = {ExitCode.BAD_INPUT, ExitCode.RETRYABLE, ExitCode.BAD_CONFIG, ExitCode.GATE_FAILED,
@@ -72,7 +58,7 @@ def test_the_corpus_is_classified_right_and_never_wrong(capsys) -> None:
         lambda: collections.defaultdict(collections.Counter))
     wrong = []
     for case in CASES:
-        got = _diagnose(case).cls
+        got = diagnose_case(case).cls
         verdict = _verdict(case, got)
         table[case["split"]][case["class"]][verdict] += 1
         if verdict == "wrong":
@@ -92,23 +78,18 @@ def test_the_corpus_is_classified_right_and_never_wrong(capsys) -> None:
 @pytest.mark.parametrize("case", [c for c in CASES if c.get("exit_code") in _RETRY_SEMANTICS], ids=lambda c: c["id"])
 def test_retry_advice_agrees_with_the_step_exit_code(case: dict) -> None:
     """A step that exited 75 asked Batch to retry; 65, 78, 79 and 80 said a retry cannot help."""
-    assert _diagnose(case).retryable == (case["exit_code"] == ExitCode.RETRYABLE)
-
-
-def _lines(case: dict) -> list[str]:
-    texts = [case.get("log", ""), *case.get("logs", {}).values(), case.get("status_reason") or ""]
-    return [line for text in texts for line in text.splitlines()]
+    assert diagnose_case(case).retryable == (case["exit_code"] == ExitCode.RETRYABLE)
 
 
 def test_every_rule_is_the_best_rule_of_a_corpus_line() -> None:
     """Each rule is exercised: some corpus line takes it (a rule no line takes is untested)."""
-    taken = {rule.id for case in CASES for line in _lines(case) if (rule := RULES.best_rule(line))}
+    taken = {rule.id for case in CASES for line in case_lines(case) if (rule := RULES.best_rule(line))}
     assert sorted({r.id for r in RULES.rules} - taken) == []
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if "node" in c], ids=lambda c: c["id"])
 def test_multi_node_cases_name_the_node_of_the_first_error(case: dict) -> None:
-    assert _diagnose(case).node == case["node"]
+    assert diagnose_case(case).node == case["node"]
 
 
 def test_a_healthy_run_log_matches_no_rule() -> None:

@@ -16,7 +16,7 @@ from sklearn.linear_model import LogisticRegression
 
 from pipeline_steps.diagnosis import UNKNOWN, NodeLog, classify
 from pipeline_steps.diagnosis.log_model import MODEL_FILE, load_model, normalise
-from scripts.failure_model import OUTPUT, corpus_files, digest, fit_pipeline, load_cases, model_text
+from scripts.failure_model import OUTPUT, corpus_files, diagnose_case, digest, fit_pipeline, load_cases, model_text
 
 from .conftest import run_cli
 
@@ -78,22 +78,20 @@ def test_a_confident_model_outranks_a_bare_exception_name() -> None:
     """The generic rule reads any exception class at a traceback's end as user code; the model has
     seen SageMaker's capacity error (the corpus's grand-challenge-2631 case)."""
     (case,) = [c for c in CASES if c["id"] == "grand-challenge-2631-sagemaker-capacityerror"]
-    logs, reason = [NodeLog.from_text("main", case["log"])], case["status_reason"]
-    by_rules = classify(logs, status_reason=reason, model=None)
+    by_rules = diagnose_case(case, model=None)
     assert (by_rules.cls, by_rules.evidence[0].rule) == ("user_code_error", "python-exception-any")
-    diagnosis = classify(logs, status_reason=reason)
+    diagnosis = diagnose_case(case)
     assert (diagnosis.cls, diagnosis.decided_by) == ("capacity_or_infrastructure", "log model")
 
 
 def test_a_bare_exception_name_stands_only_when_the_model_leans_nowhere_else() -> None:
     (case,) = [c for c in CASES if c["id"] == "grand-challenge-2631-sagemaker-capacityerror"]
-    logs, reason = [NodeLog.from_text("main", case["log"])], case["status_reason"]
     unsure = replace(load_model(), min_probability=1.0)  # never decides here, so only its doubt counts
-    doubting = classify(logs, status_reason=reason, model=replace(unsure, doubt_probability=0.0))
+    doubting = diagnose_case(case, model=replace(unsure, doubt_probability=0.0))
     assert (doubting.cls, doubting.decided_by) == (UNKNOWN, "nothing")
     assert "Decided by: nothing: the rules saw only a bare exception name (user_code_error) and the log model " \
            "leans to" in doubting.text()
-    trusting = classify(logs, status_reason=reason, model=replace(unsure, doubt_probability=1.0))
+    trusting = diagnose_case(case, model=replace(unsure, doubt_probability=1.0))
     assert (trusting.cls, trusting.decided_by, trusting.model_note) == ("user_code_error", "rule", None)
 
 

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from pipeline_steps.diagnosis import load_rules
 from pipeline_steps.diagnosis.prefilter import lowered, may_match, required_literals
+from scripts.failure_model import CORPUS, case_lines, corpus_files, load_cases
 
 RULES = load_rules()
-CORPUS = Path(__file__).parent / "failure_corpus"
 PATTERNS = [p for rule in tomllib.loads((Path(__file__).parents[2] / "pipeline_steps" / "diagnosis" / "rules.toml")
                                         .read_text("utf-8"))["rules"] for p in rule["patterns"]]
 
@@ -48,12 +48,8 @@ def test_a_line_ignorecase_matches_passes_the_prefilter(pattern: str, text: str)
 
 
 def _lines() -> list[str]:
-    lines = (CORPUS / "healthy.log").read_text("utf-8").splitlines()
-    for path in sorted(CORPUS.glob("*.toml")):
-        for case in tomllib.loads(path.read_text("utf-8"))["case"]:
-            for text in [case.get("log", ""), *case.get("logs", {}).values(), case.get("status_reason", "")]:
-                lines += text.splitlines()
-    return lines
+    healthy = (CORPUS / "healthy.log").read_text("utf-8").splitlines()
+    return healthy + [line for case in load_cases(corpus_files()) for line in case_lines(case)]
 
 
 def test_the_prefilter_never_changes_the_rule_a_corpus_line_takes() -> None:
