@@ -126,7 +126,7 @@ def speed(nodes: int = 100, lines: int = 500) -> None:
     logs = [NodeLog(f"node-{i}", tail) for i in range(nodes - 1)]
     logs.append(NodeLog(f"node-{nodes - 1}", tail[: lines - 2] + tuple(failing["log"].splitlines())))
     rules = load_rules()
-    unfiltered = replace(rules, rules=tuple(replace(rule, literals=None) for rule in rules.rules))
+    unfiltered = rules.without_prefilter()
     seconds = {}
     for name, these in (("prefiltered", rules), ("every rule on every line", unfiltered)):
         start = time.perf_counter()

@@ -17,7 +17,7 @@ import functools
 import re
 import tomllib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from importlib import resources
 from pathlib import Path
@@ -31,7 +31,8 @@ GENERIC = TIERS.index("generic")
 WEAK_TIERS = frozenset({GENERIC, TIERS.index("symptom")})
 """Tiers that say less than the step's own exit code, and than a confident log model."""
 STEP_RETRYABLE = 75
-"""The steps' own exit code for a transient failure (pipeline_contract.ExitCode.RETRYABLE)."""
+"""The steps' own exit code for a transient failure: pipeline_contract.ExitCode.RETRYABLE, written
+here because the classifier function ships this package alone (a test keeps them equal)."""
 SIGNAL_EXIT_CODES = 128
 """Exit codes above this are 128 + a signal number (137: SIGKILL)."""
 UNKNOWN = "unknown"
@@ -90,6 +91,10 @@ class Rules:
         found = [r for r in self.rules if may_match(r.literals, line) and r.pattern.search(text)]
         named = [r for r in found if r.tier != GENERIC]
         return min(named or found, key=lambda r: r.tier) if found else None
+
+    def without_prefilter(self) -> Rules:
+        """The same rules, every one searched on every line (the prefilter's test and benchmark)."""
+        return replace(self, rules=tuple(replace(rule, literals=None) for rule in self.rules))
 
 
 def _compile(patterns: Sequence[str], where: str) -> re.Pattern[str]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pipeline_steps.diagnosis import STATUS_REASON, UNKNOWN, NodeLog, classify, load_rules
-from pipeline_steps.diagnosis.classifier import TIERS, line_time, parse_rules
+from pipeline_steps.diagnosis.classifier import STEP_RETRYABLE, TIERS, line_time, parse_rules
 from pipeline_steps.errors import ExitCode
 from scripts.failure_model import CORPUS, case_lines, corpus_files, diagnose_case, load_cases
 
@@ -141,6 +141,7 @@ def test_the_exit_code_classes_agree_with_the_exit_code_table() -> None:
     for code, name in RULES.exit_codes.items():
         assert code in {int(c) for c in ExitCode} | SHELL_EXIT_CODES or code > 128, code
         assert RULES.classes[name].retryable == (code == ExitCode.RETRYABLE), (code, name)
+    assert STEP_RETRYABLE == ExitCode.RETRYABLE  # the classifier's copy (its function ships no contract)
 
 
 def test_sigkill_without_a_cause_is_host_memory_unless_batch_stopped_the_job() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import tomllib
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -53,7 +52,7 @@ def _lines() -> list[str]:
 
 
 def test_the_prefilter_never_changes_the_rule_a_corpus_line_takes() -> None:
-    unfiltered = replace(RULES, rules=tuple(replace(rule, literals=None) for rule in RULES.rules))
+    unfiltered = RULES.without_prefilter()
     lines = _lines()
     assert len(lines) > 1500
 
