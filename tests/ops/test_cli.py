@@ -18,6 +18,7 @@ from moto.stepfunctions.parser.asl.component.state.exec.state_task.service impor
 
 from pipeline_contract import PIPELINE_STEPS
 from pipeline_ops import cli, commands, context
+from pipeline_ops.rendering import CAUSE_CHARS
 from tests.infra.moto_batch import patched_moto_batch
 from tests.infra.pipeline_fixtures import ENV, TEAM, synthesized
 from tests.infra.pipeline_world import ARTIFACTS, DATA, PipelineWorld
@@ -181,7 +182,7 @@ def test_status_of_a_failed_run_names_the_step_job_and_reason(world, capsys):
     assert "FAILED" in text and "failed in Train" in text
     out = run_json(capsys, "status", "run-failed")
     # the cause (the job's whole DescribeJobs record) is cut visibly, never mid-record without a word
-    more = len(out["failure"]["cause"]) - 500
+    more = len(out["failure"]["cause"]) - CAUSE_CHARS
     assert more > 0 and f"... ({more} more characters: --json)" in " ".join(text.split())  # rich wraps lines
     assert out["failure"]["state"] == "Train" and out["failure"]["error"] == "States.TaskFailed"
     # the Fail end state failed with the run; a task whose error a Catch handled was caught
