@@ -49,8 +49,8 @@ def test_a_new_set_is_scored_by_the_rules_then_with_the_model(tmp_path: Path, ca
     assert diagnosis_replay.main(["--score", str(cases)]) == 0
     header, row = capsys.readouterr().out.splitlines()
     assert "rules (first score)" in header and "rules + model (ships)" in header
-    # right / wrong: the rules alone, rules + model as shipped, rules + model always answering
-    assert re.findall(r"(\d+) \(\s*\d+%\) /\s+(\d+) \(", row) == [("1", "1"), ("2", "1"), ("2", "1")]
+    # right / wrong: the rules alone, rules + model as shipped, without its doubt bar, always answering
+    assert re.findall(r"(\d+) \(\s*\d+%\) /\s+(\d+) \(", row) == [("1", "1"), ("2", "1"), ("2", "1"), ("2", "1")]
 
 
 def test_the_sets_come_in_order_and_an_unknown_split_is_refused() -> None:
