@@ -64,15 +64,18 @@ def rules_before(split: str) -> Rules | None:
         check=True,
     )
     if not added.stdout.strip():
-        raise SystemExit(f"no commit adds the {split} cases: the replay needs the repository's history "
-                         "(in a shallow clone: git fetch --unshallow)")
+        raise SystemExit(
+            f"no commit adds the {split} cases: the replay needs the repository's history "
+            "(in a shallow clone: git fetch --unshallow)"
+        )
     commit = added.stdout.split()[0]
     before = subprocess.run(["git", "-C", str(REPO), "show", f"{commit}^:{RULES_PATH}"], capture_output=True, text=True)
     if before.returncode != 0:
         return None
     # the rules of that day, with today's notion of a line that looks like an error (the model's gate)
-    return replace(parse_rules(before.stdout, f"{RULES_PATH} at {commit[:10]}^"),
-                   unknown_evidence=load_rules().unknown_evidence)
+    return replace(
+        parse_rules(before.stdout, f"{RULES_PATH} at {commit[:10]}^"), unknown_evidence=load_rules().unknown_evidence
+    )
 
 
 def outcome(case: dict[str, Any], rules: Rules, model: LogModel | None) -> str:
@@ -81,8 +84,12 @@ def outcome(case: dict[str, Any], rules: Rules, model: LogModel | None) -> str:
 
 
 def score(cases: Sequence[dict[str, Any]], rules: Rules, model: LogModel) -> dict[str, Counter[str]]:
-    ways = (("rules", None), ("rules+model", model), ("no doubt bar", replace(model, doubt_probability=1.01)),
-            ("model always", replace(model, min_probability=0.0)))
+    ways = (
+        ("rules", None),
+        ("rules+model", model),
+        ("no doubt bar", replace(model, doubt_probability=1.01)),
+        ("model always", replace(model, min_probability=0.0)),
+    )
     return {way: Counter(outcome(case, rules, m) for case in cases) for way, m in ways}
 
 
@@ -131,8 +138,10 @@ def speed(nodes: int = 100, lines: int = 500) -> None:
         got = classify(logs, rules=these).cls
         seconds[name] = time.perf_counter() - start
         print(f"{nodes} nodes x {lines} lines, {name}: {seconds[name]:.1f} s ({got})", flush=True)
-    print(f"speed-up: {seconds['every rule on every line'] / seconds['prefiltered']:.1f}x "
-          f"(load average {os.getloadavg()[0]:.2f})")
+    print(
+        f"speed-up: {seconds['every rule on every line'] / seconds['prefiltered']:.1f}x "
+        f"(load average {os.getloadavg()[0]:.2f})"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

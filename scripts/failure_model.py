@@ -61,11 +61,17 @@ def node_logs(case: dict[str, Any]) -> list[NodeLog]:
     return [NodeLog.from_text(node, text) for node, text in logs.items()]
 
 
-def diagnose_case(case: dict[str, Any], *, rules: Rules | None = None,
-                  model: LogModel | None | Literal["packaged"] = "packaged") -> Diagnosis:
+def diagnose_case(
+    case: dict[str, Any], *, rules: Rules | None = None, model: LogModel | None | Literal["packaged"] = "packaged"
+) -> Diagnosis:
     """The classifier's answer for a case, as for a job with those logs, exit code and status reason."""
-    return classify(node_logs(case), exit_code=case.get("exit_code"), status_reason=case.get("status_reason"),
-                    rules=rules, model=model)
+    return classify(
+        node_logs(case),
+        exit_code=case.get("exit_code"),
+        status_reason=case.get("status_reason"),
+        rules=rules,
+        model=model,
+    )
 
 
 def case_lines(case: dict[str, Any]) -> list[str]:
