@@ -52,6 +52,18 @@ def publish_parameters(topic_arn: str) -> dict:
         "default.$": text, "email.$": text, "https.$": f"States.JsonToString({NOTIFICATION_PATH}.chat)"}}
 
 
+def publish_state(scope: Construct, name: str, topic_arn: str, *, fields: dict, result_path: str,
+                  timeout_seconds: int) -> sfn.CustomState:
+    """`name`, the sns:publish Task of what `compose` left, with the Subject (and any other `fields`)."""
+    return sfn.CustomState(scope, name, state_json={
+        "Type": "Task",
+        "Resource": "arn:aws:states:::sns:publish",
+        "Parameters": {**publish_parameters(topic_arn), **fields},
+        "ResultPath": result_path,
+        "TimeoutSeconds": timeout_seconds,
+    })
+
+
 def event_targets(topic: sns.ITopic, chat_topic: sns.ITopic | None, role: iam.IRole, *,
                   title: str, text: str) -> list[events.IRuleTarget]:
     """An EventBridge rule's targets: `text` (with EventField placeholders) to `topic`, and with a

@@ -13,7 +13,7 @@ from aws_cdk import aws_sns as sns
 from aws_cdk import aws_stepfunctions as sfn
 from constructs import Construct
 
-from stacks.constructs.notifications import compose, publish_parameters
+from stacks.constructs.notifications import compose, publish_state
 from stacks.pipeline_config import PipelineConfig
 
 # A Task without TimeoutSeconds may wait as long as the execution itself may run
@@ -146,14 +146,9 @@ class PipelineStates:
         `on_error`, else `then`. `subject` as is, or the state input's `subject_path`. Returns the first."""
         message = compose(self.scope, name, text=text, content=content, title=subject)
         subject_field = {"Subject": subject} if subject_path is None else {"Subject.$": subject_path}
-        state = self.raw(name, {
-            "Type": "Task",
-            "Resource": "arn:aws:states:::sns:publish",
-            "Parameters": {**publish_parameters(self._topic.topic_arn), **subject_field, **self._team_attribute()},
-            # Keep the run data for the next state (None cannot be expressed: jsii drops it).
-            "ResultPath": "$.notified",
-            "TimeoutSeconds": SERVICE_TASK_TIMEOUT_SECONDS,
-        })
+        # ResultPath keeps the run data for the next state (None cannot be expressed: jsii drops it).
+        state = publish_state(self.scope, name, self._topic.topic_arn, fields={**subject_field, **self._team_attribute()},
+                              result_path="$.notified", timeout_seconds=SERVICE_TASK_TIMEOUT_SECONDS)
         self.service_retry(state, ("States.TaskFailed", "States.Timeout"))
         state.add_catch(on_error, errors=["States.ALL"], result_path="$.notify_error")
         message.next(state)

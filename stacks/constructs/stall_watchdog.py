@@ -33,7 +33,7 @@ from pipeline_contract import (
 from stacks.constructs.job_definitions import JobDefinitionRef
 from stacks.constructs.job_ownership import JobOwnership
 from stacks.constructs.log_delivery import encrypted_log_group
-from stacks.constructs.notifications import compose, publish_parameters
+from stacks.constructs.notifications import compose, publish_state
 from stacks.constructs.service_principals import events_role
 from stacks.pipeline_config import PipelineConfig
 
@@ -271,13 +271,8 @@ class StallWatchdog(Construct):
         message = compose(self, "NotifyTerminated", title=subject,
                           text=f"States.Format('Run {{}}: terminated Batch job {{}} ({reason}). Last completed step: "
                                f"{{}}. Alarm {{}}.', $.watch.run_id, $.watch.job_id, $.last_step.text, $.alarm_name)")
-        notify = self._raw("NotifyTerminated", {
-            "Type": "Task",
-            "Resource": "arn:aws:states:::sns:publish",
-            "Parameters": {**publish_parameters(self._topic.topic_arn), "Subject": subject},
-            "ResultPath": "$.result",
-            "TimeoutSeconds": 60,
-        })
+        notify = publish_state(self, "NotifyTerminated", self._topic.topic_arn, fields={"Subject": subject},
+                               result_path="$.result", timeout_seconds=60)
         self._retry(notify)
         disarm = self._disarm("DisarmAfterTerminate", "$.alarm_name")
         # The job is already terminated: a lost notification must not keep the alarm alive.
