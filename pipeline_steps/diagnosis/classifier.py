@@ -42,6 +42,11 @@ STATUS_REASON = "status reason"
 MAX_EVIDENCE = 5
 _SCAN_CHARS = 2000  # a line longer than this is matched on its first 2000 characters
 _SHOWN_CHARS = 300
+# A Python traceback's frame and the source line it quotes (indented, unlike the exception's line),
+# after a rank's prefix such as "[rank0]:" or "0:".
+_RANK_PREFIX = r"^(?:\[rank\d+\]:|\d+:)?"
+_FRAME = re.compile(_RANK_PREFIX + r'\s*File "[^"]+", line \d+')
+_QUOTED_SOURCE = re.compile(_RANK_PREFIX + r"\s+\S")
 _RULES_FILE = "rules.toml"
 _RULE_KEYS = {"id", "class", "tier", "patterns", "retryable", "suggestion", "docs"}
 _CLASS_KEYS = {"retryable", "summary", "suggestion", "docs"}
@@ -309,10 +314,14 @@ def _shown(text: str) -> str:
 
 
 def _scan(sources: Sequence[NodeLog], rules: Rules) -> list[_Match]:
-    """Every line that takes a rule or looks like an error."""
+    """Every line that takes a rule or looks like an error, but the source line a Python traceback
+    quotes under a frame: `raise RuntimeError(f"neuronx-cc failed with {status}")` is code, not
+    what happened."""
     found = []
     for n, source in enumerate(sources):
         for i, (text, t) in enumerate(zip(source.lines, source.line_times())):
+            if i and _FRAME.match(source.lines[i - 1]) and _QUOTED_SOURCE.match(text) and not _FRAME.match(text):
+                continue
             scanned = text[:_SCAN_CHARS]
             rule = rules.best_rule(scanned)
             if rule is not None or rules.unknown_evidence.search(scanned):
