@@ -42,23 +42,19 @@ def compose(scope: Construct, name: str, *, text: str, content: dict | None = No
     })
 
 
-def publish_parameters(topic_arn: str) -> dict:
-    """sns:publish Parameters of what `compose` left: the text to e-mail (and every protocol without
-    its own key), the custom notification to https. Step Functions serializes the Message object, as
-    for CDK's SnsPublish with message_per_subscription_type
-    (https://docs.aws.amazon.com/cdk/api/v2/python/aws_cdk.aws_stepfunctions_tasks/SnsPublishJsonPathProps.html)."""
-    text = f"{NOTIFICATION_PATH}.text"
-    return {"TopicArn": topic_arn, "MessageStructure": "json", "Message": {
-        "default.$": text, "email.$": text, "https.$": f"States.JsonToString({NOTIFICATION_PATH}.chat)"}}
-
-
 def publish_state(scope: Construct, name: str, topic_arn: str, *, fields: dict, result_path: str,
                   timeout_seconds: int) -> sfn.CustomState:
-    """`name`, the sns:publish Task of what `compose` left, with the Subject (and any other `fields`)."""
+    """`name`, the sns:publish Task of what `compose` left, with the Subject (and any other `fields`):
+    the text to e-mail (and every protocol without its own key), the custom notification to https.
+    Step Functions serializes the Message object, as for CDK's SnsPublish with
+    message_per_subscription_type
+    (https://docs.aws.amazon.com/cdk/api/v2/python/aws_cdk.aws_stepfunctions_tasks/SnsPublishJsonPathProps.html)."""
+    text = f"{NOTIFICATION_PATH}.text"
+    message = {"default.$": text, "email.$": text, "https.$": f"States.JsonToString({NOTIFICATION_PATH}.chat)"}
     return sfn.CustomState(scope, name, state_json={
         "Type": "Task",
         "Resource": "arn:aws:states:::sns:publish",
-        "Parameters": {**publish_parameters(topic_arn), **fields},
+        "Parameters": {"TopicArn": topic_arn, "MessageStructure": "json", "Message": message, **fields},
         "ResultPath": result_path,
         "TimeoutSeconds": timeout_seconds,
     })
