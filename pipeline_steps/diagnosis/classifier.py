@@ -319,8 +319,12 @@ def _scan(sources: Sequence[NodeLog], rules: Rules) -> list[_Match]:
     what happened."""
     found = []
     for n, source in enumerate(sources):
+        after_frame = False
         for i, (text, t) in enumerate(zip(source.lines, source.line_times())):
-            if i and _FRAME.match(source.lines[i - 1]) and _QUOTED_SOURCE.match(text) and not _FRAME.match(text):
+            frame = _FRAME.match(text) is not None
+            quoted = after_frame and not frame and _QUOTED_SOURCE.match(text) is not None
+            after_frame = frame
+            if quoted:
                 continue
             scanned = text[:_SCAN_CHARS]
             rule = rules.best_rule(scanned)
