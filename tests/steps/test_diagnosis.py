@@ -233,6 +233,20 @@ def test_a_traceback_line_takes_the_time_of_the_line_before_it() -> None:
     assert log.line_times() == [line_time("2026-01-01T00:00:10Z")] * 3
 
 
+@pytest.mark.parametrize(("line", "rule"), [
+    ("S3 answered SlowDown; retrying", "s3-throttled"),
+    ("step time slowdown observed after epoch 3", None),
+    ("CAPACITY:INSUFFICIENT_INSTANCE_CAPACITY - not enough capacity", "no-capacity"),
+    ("Capacity:      ", None),  # kubectl describe pvc
+    ("MISCONFIGURATION:JOB_RESOURCE_REQUIREMENT - no instance meets the job", "batch-misconfiguration"),
+    ("misconfiguration: none found", None),
+])
+def test_a_service_reason_code_matches_only_as_the_service_writes_it(line: str, rule: str | None) -> None:
+    """Rules match case-blind; AWS's reason codes must not, or ordinary words in a log take their class."""
+    found = RULES.best_rule(line)
+    assert (found.id if found else None) == rule
+
+
 def test_only_symptoms_defer_to_the_exit_code() -> None:
     logs = [NodeLog("node 0", (SYMPTOM,))]
     assert classify(logs, exit_code=78).cls == "bad_config"
