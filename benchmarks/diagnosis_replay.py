@@ -2,10 +2,12 @@
 
     python -m benchmarks.diagnosis_replay                     # replay every holdout set of the corpus
     python -m benchmarks.diagnosis_replay --score NEW.toml    # score a new set (corpus format) once
+    python -m benchmarks.diagnosis_replay --bars 0.3,0.4,0.6  # the replay with the model's bar at each value too
     python -m benchmarks.diagnosis_replay --speed             # a 100-node job's classification time
 
 Replay: each holdout set scored with the rules.toml of its day (from git) and a log model fit on the
-sets before it: rules alone, rules + model as shipped, without its doubt bar, always answering.
+sets before it: rules alone, rules + model as shipped, without its doubt bar, always answering (and
+at each --bars value: the trade between right and wrong answers the shipped bar chooses from).
 Score: today's rules and model on new cases, before they join the corpus. Speed: a 100-node job's
 tails with the rules' prefilter and without it. Method and figures: docs/operations.md.
 """
@@ -83,14 +85,22 @@ def outcome(case: dict[str, Any], rules: Rules, model: LogModel | None) -> str:
     return "right" if got == case["class"] else "unknown" if got == UNKNOWN else "wrong"
 
 
-def score(cases: Sequence[dict[str, Any]], rules: Rules, model: LogModel) -> dict[str, Counter[str]]:
-    ways = (
-        ("rules", None),
-        ("rules+model", model),
-        ("no doubt bar", replace(model, doubt_probability=1.01)),
-        ("model always", replace(model, min_probability=0.0)),
+WAYS = ("rules (first score)", "rules + model (ships)", "without the doubt bar", "rules + model always")
+
+
+def score(
+    cases: Sequence[dict[str, Any]], rules: Rules, model: LogModel, bars: Sequence[float] = ()
+) -> dict[str, Counter[str]]:
+    """Right / wrong / unknown counts of each way of answering (WAYS, then the model at each bar)."""
+    models = (
+        None,
+        model,
+        replace(model, doubt_probability=1.01),
+        replace(model, min_probability=0.0),
+        *(replace(model, min_probability=bar) for bar in bars),
     )
-    return {way: Counter(outcome(case, rules, m) for case in cases) for way, m in ways}
+    names = (*WAYS, *(f"model bar {bar}" for bar in bars))
+    return {way: Counter(outcome(case, rules, m) for case in cases) for way, m in zip(names, models)}
 
 
 def _row(name: str, cases: int, scores: dict[str, Counter[str]]) -> str:
@@ -101,26 +111,26 @@ def _row(name: str, cases: int, scores: dict[str, Counter[str]]) -> str:
     return f"{name:10} {cases:5}  " + "  ".join(f"{c:24}" for c in cells)
 
 
-def _header() -> str:
-    ways = ("rules (first score)", "rules + model (ships)", "without the doubt bar", "rules + model always")
+def _header(bars: Sequence[float] = ()) -> str:
+    ways = (*WAYS, *(f"model bar {bar}" for bar in bars))
     return f"{'set':10} {'cases':5}  " + "  ".join(f"{w + ': right / wrong':24}" for w in ways)
 
 
-def replay() -> None:
+def replay(bars: Sequence[float] = ()) -> None:
     cases = load_cases(corpus_files())
     splits = sorted({c["split"] for c in cases if c["split"].startswith("holdout")}, key=split_rank)
     total: dict[str, Counter[str]] = {}
-    print(_header())
+    print(_header(bars))
     for split in splits:
         rules = rules_before(split)
         if rules is None:
             print(f"{split:10} (came with the first rules: none of its day to replay)")
             continue
         model = LogModel.from_dict(fit([c for c in cases if split_rank(c["split"]) < split_rank(split)]))
-        scores = score([c for c in cases if c["split"] == split], rules, model)
-        print(_row(split, sum(scores["rules"].values()), scores), flush=True)
+        scores = score([c for c in cases if c["split"] == split], rules, model, bars)
+        print(_row(split, sum(scores[WAYS[0]].values()), scores), flush=True)
         total = {way: total.get(way, Counter()) + s for way, s in scores.items()}
-    print(_row("all", sum(total["rules"].values()), total))
+    print(_row("all", sum(total[WAYS[0]].values()), total))
 
 
 def speed(nodes: int = 100, lines: int = 500) -> None:
@@ -144,20 +154,32 @@ def speed(nodes: int = 100, lines: int = 500) -> None:
     )
 
 
+def _bars(text: str) -> tuple[float, ...]:
+    try:
+        bars = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give probabilities separated by commas, e.g. 0.3,0.4") from None
+    if not all(0.0 <= bar <= 1.0 for bar in bars):
+        raise argparse.ArgumentTypeError(f"{text!r}: each bar is a probability from 0 to 1")
+    return bars
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--score", type=Path, metavar="FILE", help="score the cases of FILE (corpus format) once")
     parser.add_argument("--speed", action="store_true", help="time a 100-node job's classification")
+    parser.add_argument("--bars", type=_bars, default=(), metavar="P,P,...",
+                        help="also score with the model's probability bar at each value (0 to 1)")
     args = parser.parse_args(argv)
     if args.speed:
         speed()
         return 0
     if args.score is None:
-        replay()
+        replay(args.bars)
         return 0
     cases = load_cases([args.score])
-    print(_header())
-    print(_row(args.score.stem, len(cases), score(cases, load_rules(), load_model())))
+    print(_header(args.bars))
+    print(_row(args.score.stem, len(cases), score(cases, load_rules(), load_model(), args.bars)))
     return 0
 
 

@@ -53,6 +53,23 @@ def test_a_new_set_is_scored_by_the_rules_then_with_the_model(tmp_path: Path, ca
     assert re.findall(r"(\d+) \(\s*\d+%\) /\s+(\d+) \(", row) == [("1", "1"), ("2", "1"), ("2", "1"), ("2", "1")]
 
 
+def test_a_higher_bar_leaves_to_unknown_what_the_model_alone_answers(tmp_path: Path, capsys) -> None:
+    cases = tmp_path / "new.toml"
+    cases.write_text(NEW_SET, encoding="utf-8")
+    assert diagnosis_replay.main(["--score", str(cases), "--bars", "0,1"]) == 0
+    header, row = capsys.readouterr().out.splitlines()
+    assert "model bar 0.0: right / wrong" in header and "model bar 1.0: right / wrong" in header
+    # bar 0 answers as "always"; bar 1 leaves the model's case unknown: the rules' answers alone remain
+    assert re.findall(r"(\d+) \(\s*\d+%\) /\s+(\d+) \(", row)[-2:] == [("2", "1"), ("1", "1")]
+
+
+@pytest.mark.parametrize("bars", ["0.3,x", "1.5"])
+def test_a_bar_that_is_not_a_probability_is_refused(bars: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        diagnosis_replay.main(["--bars", bars])
+    assert exit_.value.code == 2 and f"{bars!r}" in capsys.readouterr().err
+
+
 def test_the_sets_come_in_order_and_an_unknown_split_is_refused() -> None:
     splits = ["holdout10", "holdout2", "dev", "holdout", "project"]
     assert sorted(splits, key=diagnosis_replay.split_rank) == ["dev", "project", "holdout", "holdout2", "holdout10"]
