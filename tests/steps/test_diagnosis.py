@@ -176,6 +176,30 @@ def test_a_generic_exception_beats_only_symptoms() -> None:
     assert (closed.cls, TIERS[closed.tier]) == ("rendezvous_failure", "symptom")
 
 
+@pytest.mark.parametrize(("line", "tier"), [
+    ("NameError: name 'batch' is not defined", "likely"),
+    ("TypeError: forward() got an unexpected keyword argument 'labels'", "likely"),
+    ("ModuleNotFoundError: No module named 'colbert'", "likely"),
+    # what libraries raise to refuse a setting, a record or a path: a bare name the log model may doubt
+    ("ValueError: Reused column: text", "generic"),
+    ("AssertionError", "generic"),
+    ("KeyError: 'text'", "generic"),
+    ("FileNotFoundError: [Errno 2] No such file or directory: 'clips/0001.wav'", "generic"),
+    ("NotImplementedError: Only DistributedDataParallel is supported.", "generic"),
+])
+def test_a_programming_error_says_user_code_more_surely_than_a_value_check(line: str, tier: str) -> None:
+    found = RULES.best_rule(line)
+    assert (found.cls, TIERS[found.tier]) == ("user_code_error", tier)
+
+
+def test_a_nan_step_the_trainer_skipped_yields_to_what_stopped_the_job() -> None:
+    skipped = "WARNING: The grad norm is nan. Skipping updating the model."
+    oom = "RuntimeError: CUDA out of memory. Tried to allocate 844.25 MiB (GPU 0; 10.92 GiB total capacity)"
+    assert classify([NodeLog("node 0", (skipped, skipped, oom))], model=None).cls == "device_oom"
+    assert classify([NodeLog("node 0", (skipped, skipped))], model=None).cls == "nan_loss"
+    assert classify([NodeLog("node 0", ("WARNING: The grad norm is nan.", oom))], model=None).cls == "nan_loss"
+
+
 def test_a_real_step_failure_is_diagnosed_by_the_command(tmp_path: Path) -> None:
     failed = run_cli("prepare", "--run-dir", tmp_path / "run", "--data", tmp_path / "missing")
     assert failed.returncode == ExitCode.BAD_INPUT
