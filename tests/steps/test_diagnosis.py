@@ -192,12 +192,32 @@ def test_a_programming_error_says_user_code_more_surely_than_a_value_check(line:
     assert (found.cls, TIERS[found.tier]) == ("user_code_error", tier)
 
 
-def test_a_nan_step_the_trainer_skipped_yields_to_what_stopped_the_job() -> None:
-    skipped = "WARNING: The grad norm is nan. Skipping updating the model."
-    oom = "RuntimeError: CUDA out of memory. Tried to allocate 844.25 MiB (GPU 0; 10.92 GiB total capacity)"
-    assert classify([NodeLog("node 0", (skipped, skipped, oom))], model=None).cls == "device_oom"
+@pytest.mark.parametrize("stopped", [
+    ("RuntimeError: CUDA out of memory. Tried to allocate 844.25 MiB (GPU 0; 10.92 GiB total capacity)", "device_oom"),
+    ("Killed", "host_oom"),
+    ("ERROR:torch.distributed.elastic.multiprocessing.api:failed (exitcode: -9) local_rank: 0 (pid: 7)", "host_oom"),
+])
+@pytest.mark.parametrize("skipped", [
+    "WARNING: The grad norm is nan. Skipping updating the model.",
+    "loss = nan, skipping step",
+    "Skipping step: loss is nan",
+])
+def test_a_nan_step_the_trainer_skipped_yields_to_what_stopped_the_job(skipped: str, stopped: tuple) -> None:
+    line, cls = stopped
+    assert classify([NodeLog("node 0", (skipped, skipped, line))], model=None).cls == cls
     assert classify([NodeLog("node 0", (skipped, skipped))], model=None).cls == "nan_loss"
-    assert classify([NodeLog("node 0", ("WARNING: The grad norm is nan.", oom))], model=None).cls == "nan_loss"
+    # a NaN the trainer did not skip is the cause, whatever followed
+    assert classify([NodeLog("node 0", ("WARNING: The grad norm is nan.", line))], model=None).cls == "nan_loss"
+
+
+@pytest.mark.parametrize("line", [
+    "[INFO] Skipping eval: early_stopping_patience=inf",
+    "best_loss = inf",
+    "[10:21:05] /github/workspace/src/video/video_reader.cc:151: Using device: cpu",  # decord's INFO
+    "RuntimeError: xla_client/xrt_computation_client.cc:258 : Check failed: default_device_target != end()",  # not EFA
+])
+def test_an_ordinary_or_unrelated_line_takes_no_rule_it_only_resembles(line: str) -> None:
+    assert RULES.best_rule(line) is None
 
 
 def test_a_real_step_failure_is_diagnosed_by_the_command(tmp_path: Path) -> None:
