@@ -48,7 +48,7 @@ _RANK_PREFIX = r"^(?:\[rank\d+\]:|\d+:)?"
 _FRAME = re.compile(_RANK_PREFIX + r'\s*File "[^"]+", line \d+')
 _QUOTED_SOURCE = re.compile(_RANK_PREFIX + r"\s+\S")
 _RULES_FILE = "rules.toml"
-_RULE_KEYS = {"id", "class", "tier", "patterns", "retryable", "suggestion", "docs"}
+_RULE_KEYS = {"id", "class", "tier", "patterns", "unless", "retryable", "suggestion", "docs"}
 _CLASS_KEYS = {"retryable", "summary", "suggestion", "docs"}
 
 
@@ -74,6 +74,12 @@ class Rule:
     docs: str | None = None
     literals: tuple[str, ...] | None = None
     """Lower-case strings one of which every match contains (prefilter.py); None: always search."""
+    unless: re.Pattern[str] | None = None
+    """A line this also matches is not the rule's (a NaN the trainer says it skipped is no cause)."""
+
+    def takes(self, text: str, lowered_line: str) -> bool:
+        return (may_match(self.literals, lowered_line) and self.pattern.search(text) is not None
+                and not (self.unless is not None and self.unless.search(text)))
 
 
 @dataclass(frozen=True)
@@ -93,7 +99,7 @@ class Rules:
         if self.ignore is not None and self.ignore.search(text):
             return None
         line = lowered(text)
-        found = [r for r in self.rules if may_match(r.literals, line) and r.pattern.search(text)]
+        found = [r for r in self.rules if r.takes(text, line)]
         named = [r for r in found if r.tier != GENERIC]
         return min(named or found, key=lambda r: r.tier) if found else None
 
@@ -122,7 +128,7 @@ def _failure_class(name: str, entry: object, where: str) -> FailureClass:
 def _rule(entry: object, classes: Mapping[str, FailureClass], where: str) -> Rule:
     if not isinstance(entry, dict) or not {"id", "class", "tier", "patterns"} <= set(entry) <= _RULE_KEYS:
         raise ValueError(f"{where}: every [[rules]] entry needs id, class, tier and patterns "
-                         f"(optional: retryable, suggestion, docs); got {sorted(entry) if isinstance(entry, dict) else entry}")
+                         f"(optional: unless, retryable, suggestion, docs); got {sorted(entry) if isinstance(entry, dict) else entry}")
     at = f"{where}: rule {entry['id']!r}"
     if entry["class"] not in classes or entry["class"] == UNKNOWN:
         raise ValueError(f"{at}: class {entry['class']!r} is not one of the [classes] (and not {UNKNOWN!r})")
@@ -131,8 +137,9 @@ def _rule(entry: object, classes: Mapping[str, FailureClass], where: str) -> Rul
     if "retryable" in entry and not isinstance(entry["retryable"], bool):
         raise ValueError(f"{at}: retryable must be true or false")
     pattern = _compile(entry["patterns"], at)
+    unless = _compile(entry["unless"], f"{at} unless") if "unless" in entry else None
     return Rule(entry["id"], entry["class"], TIERS.index(entry["tier"]), pattern, entry.get("retryable"),
-                entry.get("suggestion"), entry.get("docs"), required_literals(pattern.pattern))
+                entry.get("suggestion"), entry.get("docs"), required_literals(pattern.pattern), unless)
 
 
 def parse_rules(text: str, where: str = _RULES_FILE) -> Rules:

@@ -185,7 +185,7 @@ def test_a_generic_exception_beats_only_symptoms() -> None:
     ("AssertionError", "generic"),
     ("KeyError: 'text'", "generic"),
     ("FileNotFoundError: [Errno 2] No such file or directory: 'clips/0001.wav'", "generic"),
-    ("NotImplementedError: Only DistributedDataParallel is supported.", "generic"),
+    ("NotImplementedError: Only DistributedDataParallel is supported.", "generic"),  # MoCo's refusal (moco-48)
 ])
 def test_a_programming_error_says_user_code_more_surely_than_a_value_check(line: str, tier: str) -> None:
     found = RULES.best_rule(line)
@@ -344,6 +344,7 @@ docs = "d"
     ("[[rules]]\nid='r'\nclass='a'\ntier='cause'\npatterns=['x']\ncolour='red'", "needs id, class, tier"),
     ("[exit_codes]\n65 = 'nope'", "[exit_codes] 65 = 'nope'"),
     ("[[rules]]\nid='r'\nclass='unknown'\ntier='cause'\npatterns=['x']", "class 'unknown' is not one"),
+    ("[[rules]]\nid='r'\nclass='a'\ntier='cause'\npatterns=['x']\nunless=['(y']", "rule 'r' unless: invalid regular"),
 ])
 def test_an_invalid_rules_file_says_what_to_fix(rules: str, error: str) -> None:
     with pytest.raises(ValueError) as exc:
