@@ -88,6 +88,10 @@ def outcome(case: dict[str, Any], rules: Rules, model: LogModel | None) -> str:
 WAYS = ("rules (first score)", "rules + model (ships)", "without the doubt bar", "rules + model always")
 
 
+def _ways(bars: Sequence[float]) -> tuple[str, ...]:
+    return (*WAYS, *(f"model bar {bar}" for bar in bars))
+
+
 def score(
     cases: Sequence[dict[str, Any]], rules: Rules, model: LogModel, bars: Sequence[float] = ()
 ) -> dict[str, Counter[str]]:
@@ -99,8 +103,7 @@ def score(
         replace(model, min_probability=0.0),
         *(replace(model, min_probability=bar) for bar in bars),
     )
-    names = (*WAYS, *(f"model bar {bar}" for bar in bars))
-    return {way: Counter(outcome(case, rules, m) for case in cases) for way, m in zip(names, models)}
+    return {way: Counter(outcome(case, rules, m) for case in cases) for way, m in zip(_ways(bars), models)}
 
 
 def _row(name: str, cases: int, scores: dict[str, Counter[str]]) -> str:
@@ -112,8 +115,7 @@ def _row(name: str, cases: int, scores: dict[str, Counter[str]]) -> str:
 
 
 def _header(bars: Sequence[float] = ()) -> str:
-    ways = (*WAYS, *(f"model bar {bar}" for bar in bars))
-    return f"{'set':10} {'cases':5}  " + "  ".join(f"{w + ': right / wrong':24}" for w in ways)
+    return f"{'set':10} {'cases':5}  " + "  ".join(f"{w + ': right / wrong':24}" for w in _ways(bars))
 
 
 def replay(bars: Sequence[float] = ()) -> None:
