@@ -45,9 +45,8 @@ def split_rank(split: str) -> int:
     return int(match.group(1) or 1)
 
 
-def rules_before(split: str) -> Rules | None:
-    """rules.toml as it was just before the commit that added `split`'s cases to the corpus; None for
-    the sets that came with the first rules (no rules of their day to replay)."""
+def added_in(split: str) -> str:
+    """The commit that added `split`'s cases to the corpus."""
     added = subprocess.run(
         [
             "git",
@@ -70,7 +69,19 @@ def rules_before(split: str) -> Rules | None:
             f"no commit adds the {split} cases: the replay needs the repository's history "
             "(in a shallow clone: git fetch --unshallow)"
         )
-    commit = added.stdout.split()[0]
+    return added.stdout.split()[0]
+
+
+def depth(commit: str) -> int:
+    """How many commits lead to `commit`: the order the sets came in."""
+    count = subprocess.run(["git", "-C", str(REPO), "rev-list", "--count", commit], capture_output=True, text=True,
+                           check=True)
+    return int(count.stdout)
+
+
+def rules_before(commit: str) -> Rules | None:
+    """rules.toml as it was just before `commit` (the one that added a set's cases); None for the sets
+    that came with the first rules (no rules of their day to replay)."""
     before = subprocess.run(["git", "-C", str(REPO), "show", f"{commit}^:{RULES_PATH}"], capture_output=True, text=True)
     if before.returncode != 0:
         return None
@@ -123,12 +134,16 @@ def replay(bars: Sequence[float] = ()) -> None:
     splits = sorted({c["split"] for c in cases if c["split"].startswith("holdout")}, key=split_rank)
     total: dict[str, Counter[str]] = {}
     print(_header(bars))
+    added = {split: added_in(split) for split in splits}
+    came = {split: depth(commit) for split, commit in added.items()}
     for split in splits:
-        rules = rules_before(split)
+        rules = rules_before(added[split])
         if rules is None:
             print(f"{split:10} (came with the first rules: none of its day to replay)")
             continue
-        model = LogModel.from_dict(fit([c for c in cases if split_rank(c["split"]) < split_rank(split)]))
+        # the model knows the sets that came before this one; sets that came in one commit were scored
+        # with the same model and do not see each other
+        model = LogModel.from_dict(fit([c for c in cases if came.get(c["split"], 0) < came[split]]))
         scores = score([c for c in cases if c["split"] == split], rules, model, bars)
         print(_row(split, sum(scores[WAYS[0]].values()), scores), flush=True)
         total = {way: total.get(way, Counter()) + s for way, s in scores.items()}
