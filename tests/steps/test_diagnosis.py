@@ -215,9 +215,22 @@ def test_a_nan_step_the_trainer_skipped_yields_to_what_stopped_the_job(skipped: 
     "best_loss = inf",
     "[10:21:05] /github/workspace/src/video/video_reader.cc:151: Using device: cpu",  # decord's INFO
     "RuntimeError: xla_client/xrt_computation_client.cc:258 : Check failed: default_device_target != end()",  # not EFA
+    # NCCL without InfiniBand's library goes on over sockets (nccl-859's first line)
+    "ip-10-14-51-239:333:333 [0] misc/ibvwrap.cc:63 NCCL WARN Failed to open libibverbs.so[.1]",
 ])
 def test_an_ordinary_or_unrelated_line_takes_no_rule_it_only_resembles(line: str) -> None:
     assert RULES.best_rule(line) is None
+
+
+@pytest.mark.parametrize("line", [
+    # UCX under MPICH (ucx-6264) and BytePS (byteps-365): the NIC could not pin the buffer
+    "[nid001192:11838:0] ib_md.c:325 UCX ERROR ibv_reg_mr(address=0xabcf12c0, length=26400, access=0xf) failed: "
+    "Cannot allocate memory",
+    "src/./rdma_transport.h:144: Check failed: mr ibv_reg_mr failed: Cannot allocate memory.",
+])
+def test_an_rdma_registration_failure_is_the_locked_memory_limit_not_host_memory(line: str) -> None:
+    got = classify([NodeLog("node 0", (line,))], model=None)
+    assert got.cls == "collective_failure" and "ulimit -l" in got.suggestion
 
 
 def test_a_real_step_failure_is_diagnosed_by_the_command(tmp_path: Path) -> None:
