@@ -45,7 +45,7 @@ and 5.4%; 0.7: 67% and 5.4%); the next round (holdouts 41-44) lost 3 right and 8
 DOUBT_PROBABILITY = 0.2
 """The generic rule (a bare exception name at a traceback's end: user code) stands only when the
 model gives no other class this much; otherwise the answer is unknown. The replay's "without the
-doubt bar" column shows what it changes (on holdouts 4 to 54, 25 answers from wrong to unknown and 4
+doubt bar" column shows what it changes (on holdouts 4 to 63, 35 answers from wrong to unknown and 4
 from right)."""
 
 
