@@ -186,6 +186,8 @@ def test_a_generic_exception_beats_only_symptoms() -> None:
     ("KeyError: 'text'", "generic"),
     ("FileNotFoundError: [Errno 2] No such file or directory: 'clips/0001.wav'", "generic"),
     ("NotImplementedError: Only DistributedDataParallel is supported.", "generic"),  # MoCo's refusal (moco-48)
+    # a shard that is gzip, not tar (wds-331): the file's content, not the code
+    ("UnicodeDecodeError: 'utf-8' codec can't decode byte 0x8b in position 1: invalid start byte", "generic"),
 ])
 def test_a_programming_error_says_user_code_more_surely_than_a_value_check(line: str, tier: str) -> None:
     found = RULES.best_rule(line)
