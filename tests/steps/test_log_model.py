@@ -74,24 +74,27 @@ def test_what_no_rule_names_the_model_classifies_and_says_so() -> None:
     assert answer["decided_by"] == "log model" and 0.5 <= answer["probability"] <= 1
 
 
-def test_a_confident_model_outranks_a_bare_exception_name() -> None:
-    """The generic rule reads any exception class at a traceback's end as user code; the model has
-    seen SageMaker's capacity error (the corpus's grand-challenge-2631 case)."""
+def test_a_confident_model_names_what_a_bare_exception_name_does_not(rules_with_generic) -> None:
+    """No rule names SageMaker's CapacityError (the corpus's grand-challenge-2631 case); the model has
+    seen it. A generic rule (tier generic: any exception class at a traceback's end is user code) yields
+    to the model too."""
     (case,) = [c for c in CASES if c["id"] == "grand-challenge-2631-sagemaker-capacityerror"]
-    by_rules = diagnose_case(case, model=None)
-    assert (by_rules.cls, by_rules.evidence[0].rule) == ("user_code_error", "python-exception-any")
-    diagnosis = diagnose_case(case)
-    assert (diagnosis.cls, diagnosis.decided_by) == ("capacity_or_infrastructure", "log model")
+    assert diagnose_case(case, model=None).cls == UNKNOWN
+    by_generic = diagnose_case(case, rules=rules_with_generic, model=None)
+    assert (by_generic.cls, by_generic.evidence[0].rule) == ("user_code_error", "python-exception-any")
+    for rules in (None, rules_with_generic):
+        diagnosis = diagnose_case(case, rules=rules)
+        assert (diagnosis.cls, diagnosis.decided_by) == ("capacity_or_infrastructure", "log model")
 
 
-def test_a_bare_exception_name_stands_only_when_the_model_leans_nowhere_else() -> None:
+def test_a_generic_rule_stands_only_when_the_model_leans_nowhere_else(rules_with_generic) -> None:
     (case,) = [c for c in CASES if c["id"] == "grand-challenge-2631-sagemaker-capacityerror"]
     unsure = replace(load_model(), min_probability=1.0)  # never decides here, so only its doubt counts
-    doubting = diagnose_case(case, model=replace(unsure, doubt_probability=0.0))
+    doubting = diagnose_case(case, rules=rules_with_generic, model=replace(unsure, doubt_probability=0.0))
     assert (doubting.cls, doubting.decided_by) == (UNKNOWN, "nothing")
     assert "Decided by: nothing: the rules saw only a bare exception name (user_code_error) and the log model " \
            "leans to" in doubting.text()
-    trusting = diagnose_case(case, model=replace(unsure, doubt_probability=1.0))
+    trusting = diagnose_case(case, rules=rules_with_generic, model=replace(unsure, doubt_probability=1.0))
     assert (trusting.cls, trusting.decided_by, trusting.model_note) == ("user_code_error", "rule", None)
 
 
