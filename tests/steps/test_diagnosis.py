@@ -229,6 +229,13 @@ def test_a_nan_step_the_trainer_skipped_yields_to_what_stopped_the_job(skipped: 
     "RuntimeError: xla_client/xrt_computation_client.cc:258 : Check failed: default_device_target != end()",  # not EFA
     # NCCL without InfiniBand's library goes on over sockets (nccl-859's first line)
     "ip-10-14-51-239:333:333 [0] misc/ibvwrap.cc:63 NCCL WARN Failed to open libibverbs.so[.1]",
+    # Open MPI's openib probing a device at start; JAX probing every platform at INFO level
+    "[node1][[5397,1],0][btl_openib_component.c:1670:init_one_device] error obtaining device attributes for mlx5_0",
+    "I0625 11:35:55.918035 22421615735936 xla_bridge.py:895] Unable to initialize backend 'rocm': module "
+    "'jaxlib.xla_extension' has no attribute 'GpuAllocatorConfig'",
+    # the kubelet's CPU manager, not a device plugin; a count of restarted processes
+    "Warning  UnexpectedAdmissionError  3s  kubelet  Pod Allocate failed due to not enough cpus available",
+    "  3 Killed processes were restarted",
 ])
 def test_an_ordinary_or_unrelated_line_takes_no_rule_it_only_resembles(line: str) -> None:
     assert RULES.best_rule(line) is None
