@@ -6,10 +6,13 @@ import os
 import shutil
 import subprocess
 import sys
+from importlib import resources
 from pathlib import Path
 
 import pytest
 import torch
+
+from pipeline_steps.diagnosis.classifier import parse_rules
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -91,9 +94,5 @@ patterns = [
 @pytest.fixture(scope="session")
 def rules_with_generic():
     """Today's rules plus the generic rule above."""
-    from importlib import resources
-
-    from pipeline_steps.diagnosis.classifier import parse_rules
-
     text = resources.files("pipeline_steps.diagnosis").joinpath("rules.toml").read_text("utf-8")
     return parse_rules(text + GENERIC_RULE, "rules.toml + the generic rule")

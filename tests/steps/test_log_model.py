@@ -44,7 +44,8 @@ def test_the_model_computes_scikit_learns_probabilities() -> None:
     regression.classes_ = np.array(model.classes)
     regression.coef_ = np.array([[model.weights[g][k + 1] for g in grams] for k in range(len(model.classes))])
     regression.intercept_ = np.array(model.intercept)
-    texts = [text for case in CASES if (text := model_text(case))] + ["", "NaN", "\u00a0oom\u2028Killed  "]
+    # every third case of the corpus (hundreds of real logs; the arithmetic is the same for all)
+    texts = [text for case in CASES[::3] if (text := model_text(case))] + ["", "NaN", "\u00a0oom\u2028Killed  "]
     expected = regression.predict_proba(vectorizer.transform(texts))
     worst = max(abs(model.probabilities(text)[name] - p) for text, row in zip(texts, expected)
                 for name, p in zip(model.classes, row))
