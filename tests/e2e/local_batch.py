@@ -268,11 +268,14 @@ class LocalBatch:
         if is_array_parent:  # children ran first (moto submits them before the parent)
             children = [j for jid, j in job.backend._jobs.items() if jid.startswith(f"{job.job_id}:")]
             return bool(children) and all(c.status == "SUCCEEDED" for c in children)
-        submission = next((s for s in reversed(submitted) if s.get("jobName") == job.job_name), {})
+        # moto keeps the job's own parameters; the submission (for its node overrides) is found by name and
+        # parameters: two runs (two teams' pipelines) submit jobs of the same name at the same time
+        parameters = {**spec.parameters, **job.parameters}
+        submission = next((s for s in reversed(submitted) if s.get("jobName") == job.job_name
+                           and s.get("parameters", {}).items() <= parameters.items()), {})
         nodes = None
         if spec.num_nodes is not None:
             nodes = int(submission.get("nodeOverrides", {}).get("numNodes", spec.num_nodes))
-        parameters = {**spec.parameters, **submission.get("parameters", {})}
         run = JobRun(job_id=job.job_id, job_name=job.job_name, definition=spec.name, nodes=nodes or 1,
                      array_index=job.array_properties.get("index"), parameters=parameters)
         with self._lock:
