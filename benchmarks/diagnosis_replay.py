@@ -136,6 +136,7 @@ def replay(bars: Sequence[float] = ()) -> None:
     print(_header(bars))
     added = {split: added_in(split) for split in splits}
     came = {split: depth(commit) for split, commit in added.items()}
+    models: dict[int, LogModel] = {}  # one fit per commit: its sets share the model they were scored with
     for split in splits:
         rules = rules_before(added[split])
         if rules is None:
@@ -143,7 +144,9 @@ def replay(bars: Sequence[float] = ()) -> None:
             continue
         # the model knows the sets that came before this one; sets that came in one commit were scored
         # with the same model and do not see each other
-        model = LogModel.from_dict(fit([c for c in cases if came.get(c["split"], 0) < came[split]]))
+        if came[split] not in models:
+            models[came[split]] = LogModel.from_dict(fit([c for c in cases if came.get(c["split"], 0) < came[split]]))
+        model = models[came[split]]
         scores = score([c for c in cases if c["split"] == split], rules, model, bars)
         print(_row(split, sum(scores[WAYS[0]].values()), scores), flush=True)
         total = {way: total.get(way, Counter()) + s for way, s in scores.items()}
