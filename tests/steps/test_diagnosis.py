@@ -164,7 +164,7 @@ def test_sigkill_without_a_cause_is_host_memory_unless_batch_stopped_the_job() -
 def test_a_bare_exception_name_is_no_diagnosis_on_its_own() -> None:
     """A library's own exception class at a traceback's end names no class: a symptom, the exit code
     or the log model decides, else the answer is unknown (the rules alone here: model=None)."""
-    own, lost = "tokenizers.TokenizerSchemaError: bad vocab", SYMPTOM
+    own, lost = LIBRARY_EXCEPTION, SYMPTOM
     assert RULES.best_rule(own) is None
     assert classify([NodeLog("node 0", (own,))], model=None).cls == UNKNOWN
     assert classify([NodeLog("node 0", (own, lost))], model=None).cls == "collective_failure"
@@ -178,7 +178,7 @@ def test_a_bare_exception_name_is_no_diagnosis_on_its_own() -> None:
 
 def test_a_generic_rule_beats_only_symptoms(rules_with_generic) -> None:
     """The engine's generic tier, for rules that have one (earlier days' rules, replayed)."""
-    own, lost = "tokenizers.TokenizerSchemaError: bad vocab", SYMPTOM
+    own, lost = LIBRARY_EXCEPTION, SYMPTOM
     logs = [NodeLog("node 0", (lost,), (1.0,)), NodeLog("node 1", (own,), (9.0,))]  # the symptom came first
     by_rules = classify(logs, rules=rules_with_generic, model=None)
     assert (by_rules.cls, by_rules.node) == ("user_code_error", "node 1")
@@ -195,7 +195,8 @@ def test_a_generic_rule_beats_only_symptoms(rules_with_generic) -> None:
     ("AssertionError", None),
     ("KeyError: 'text'", None),
     ("FileNotFoundError: [Errno 2] No such file or directory: 'clips/0001.wav'", None),
-    ("NotImplementedError: Only DistributedDataParallel is supported.", None),  # MoCo's refusal (moco-48)
+    # test input, not a stub: MoCo's own refusal, copied from corpus case moco-48
+    ("NotImplementedError: Only DistributedDataParallel is supported.", None),
     # a shard that is gzip, not tar (wds-331): the file's content, not the code
     ("UnicodeDecodeError: 'utf-8' codec can't decode byte 0x8b in position 1: invalid start byte", None),
 ])
@@ -278,6 +279,7 @@ def test_the_entrypoint_refusal_is_bad_config(tmp_path: Path) -> None:
 CAUSE = "RuntimeError: Failed to initialize devices, error:5"       # device_unavailable, tier cause
 OTHER_CAUSE = "OSError: [Errno 28] No space left on device"          # storage_error, tier cause
 SYMPTOM = "RuntimeError: [c10d] a peer of rank 3 of 16 went away"    # collective_failure, tier symptom
+LIBRARY_EXCEPTION = "tokenizers.TokenizerSchemaError: bad vocab"     # a bare exception class no rule names
 
 
 def test_a_symptom_on_every_other_node_does_not_beat_the_cause_on_one() -> None:
