@@ -43,11 +43,11 @@ MIN_PROBABILITY = 0.65
 --bars): wrong answers fall with the bar up to 0.65 and no further (0.5: 70% right, 7.0% wrong; 0.65: 68%
 and 5.4%; 0.7: 67% and 5.4%); the next round (holdouts 41-44) lost 3 right and 8 wrong answers by it."""
 DOUBT_PROBABILITY = 0.2
-"""A rule of tier generic (a bare exception name at a traceback's end: user code) stands only when the
-model gives no other class this much; otherwise the answer is unknown. Today's rules have no such rule
-(it was right about half the time on the holdout sets); the rules of earlier days, which the replay
-runs, do, and its "without the doubt bar" column shows what the bar changed (on holdouts 4 to 78, 50
-answers from wrong to unknown and 8 from right)."""
+"""A rule of tier generic (a bare family name: ENOMEM's text today; a bare exception name read as user code
+in earlier days' rules) stands only when the model gives no other class this much; otherwise the answer
+is unknown. The exception-name rule was right about half the time on the holdout sets and is gone; the
+rules of earlier days, which the replay runs, have it, and its "without the doubt bar" column shows
+what the bar changed (on holdouts 4 to 78, 50 answers from wrong to unknown and 8 from right)."""
 
 
 def corpus_files(corpus: Path = CORPUS) -> list[Path]:

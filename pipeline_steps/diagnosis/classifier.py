@@ -2,9 +2,9 @@
 
 Each line is matched against the rules of rules.toml; a line takes its best rule (lowest tier, then
 file order). The best tier found among all lines decides, so a root cause ("cause") always beats what
-the other ranks report after it ("symptom"), and a bare exception name ("generic") beats only
-symptoms; within that tier the earliest line wins: by its time (CloudWatch's event time, or a
-timestamp at the start of the line), else by node order and line order. Only generic lines or
+the other ranks report after it ("symptom"), and a bare family name ("generic": an exception class,
+an errno's text) beats only symptoms; within that tier the earliest line wins: by its time
+(CloudWatch's event time, or a timestamp at the start of the line), else by node order and line order. Only generic lines or
 symptoms matched: the exit code's class from [exit_codes] when it has one (a signal's code only when
 the status reason does not say the job was stopped from outside, external_stop), else the log
 model's class when it is confident (log_model.py), else that line's class; nothing matched: the
@@ -272,7 +272,7 @@ class Diagnosis:
     probability: float | None = None
     """The log model's probability of the class, when the model decided."""
     model_note: str | None = None
-    """What the log model did: decided (and how sure it was), or doubted a bare exception name."""
+    """What the log model did: decided (and how sure it was), or doubted a bare family name."""
 
     def as_dict(self) -> dict:
         return {"class": self.cls, "retryable": self.retryable, "evidence": [e.as_dict() for e in self.evidence],
@@ -410,8 +410,8 @@ def classify(logs: Sequence[NodeLog], *, exit_code: int | None = None, status_re
     first = min(found, key=_Match.key) if found else None
     rule = first.rule if first is not None else None
     doubt = None
-    # No rule, or only a weak one (a symptom, a bare exception name): a confident log model decides,
-    # and a model that leans elsewhere leaves a bare exception name's class unsaid (unknown). It reads only a
+    # No rule, or only a weak one (a symptom, a bare family name): a confident log model decides,
+    # and a model that leans elsewhere leaves a bare family name's class unsaid (unknown). It reads only a
     # log with a line that looks like an error (unknown_evidence; a healthy log's warnings are no
     # failure), and never against the step's own exit 75 (retryable) nor for a job Batch stopped from outside.
     if (found and (rule is None or rule.tier in WEAK_TIERS) and by_exit_code is None and model is not None
@@ -422,7 +422,7 @@ def classify(logs: Sequence[NodeLog], *, exit_code: int | None = None, status_re
             if guess.probability >= log_model.min_probability:
                 return _from_guess(rules, guess, sources, found, exit_code)
             if rule is not None and rule.tier == GENERIC and guess.probability >= log_model.doubt_probability:
-                doubt = (f"nothing: the rules saw only a bare exception name ({rule.cls}) and the log model leans "
+                doubt = (f"nothing: the rules saw only a bare family name ({rule.cls}, rule {rule.id}) and the log model leans "
                          f"to {guess.cls} (probability {guess.probability:.2f})")
                 rule = None
     # A symptom (a peer went away) or a generic exception name says less than the step's own exit code.

@@ -74,7 +74,7 @@ class LogModel:
     context: int
     min_probability: float
     doubt_probability: float
-    """A bare exception name's class (a rule of tier generic) stands only when the model gives no other
+    """A bare family name's class (a rule of tier generic) stands only when the model gives no other
     class this much."""
     weights: dict[str, tuple[float, ...]]
     """n-gram -> (idf, one coefficient per class)."""

@@ -93,8 +93,8 @@ def test_a_generic_rule_stands_only_when_the_model_leans_nowhere_else(rules_with
     unsure = replace(load_model(), min_probability=1.0)  # never decides here, so only its doubt counts
     doubting = diagnose_case(case, rules=rules_with_generic, model=replace(unsure, doubt_probability=0.0))
     assert (doubting.cls, doubting.decided_by) == (UNKNOWN, "nothing")
-    assert "Decided by: nothing: the rules saw only a bare exception name (user_code_error) and the log model " \
-           "leans to" in doubting.text()
+    assert "Decided by: nothing: the rules saw only a bare family name (user_code_error, rule python-exception-any) " \
+           "and the log model leans to" in doubting.text()
     trusting = diagnose_case(case, rules=rules_with_generic, model=replace(unsure, doubt_probability=1.0))
     assert (trusting.cls, trusting.decided_by, trusting.model_note) == ("user_code_error", "rule", None)
 
@@ -141,3 +141,15 @@ def test_a_damaged_model_file_says_what_to_do(tmp_path: Path) -> None:
     damaged.write_bytes(b"not gzip")
     with pytest.raises(ValueError, match=f"{damaged}: not a log model written by scripts/failure_model.py"):
         load_model(damaged)
+
+
+def test_enomem_text_alone_is_a_bare_family_name_the_model_may_doubt() -> None:
+    """`Cannot allocate memory` is what any call that could not allocate prints (here an RDMA verb short
+    of locked memory), so its rule is tier generic: it stands when the model leans nowhere else and
+    leaves the answer unknown when the model leans to another class."""
+    logs = [NodeLog("node 0", ("ibv_alloc_pd failed: Cannot allocate memory",))]
+    unsure = replace(load_model(), min_probability=1.0)  # never decides here, so only its doubt counts
+    assert classify(logs, model=replace(unsure, doubt_probability=1.0)).cls == "host_oom"
+    doubted = classify(logs, model=replace(unsure, doubt_probability=0.0))
+    assert doubted.cls == UNKNOWN
+    assert doubted.model_note is not None and "rule host-cannot-allocate" in doubted.model_note
