@@ -62,6 +62,9 @@ ENTRYPOINT = REPO_ROOT / "training_image" / "entrypoint.sh"
 FSX = FSX_MOUNT.what
 LOOPBACK = "127.0.0.1"
 RENDEZVOUS_PORT = 29500  # training_image/entrypoint.sh MASTER_PORT
+# The steps entrypoint.sh runs under torchrun (compile: its trial, through the same launcher), which
+# listen on RENDEZVOUS_PORT even on one node.
+RENDEZVOUS_STEPS = frozenset({"sanity", "train", "compile"})
 PORT_WAIT_S = 600.0
 # Seconds a child node may outlive the main node before it is stopped (Batch ends the job when
 # the main node exits).
@@ -309,7 +312,8 @@ class LocalBatch:
         processes = (node_count or 1) * self.setup.nproc_per_node
         argv = ["bash", str(ENTRYPOINT),
                 *local_arguments(substitute(spec.command, parameters), self.setup.fsx_root, processes)]
-        with _rendezvous_port(RENDEZVOUS_PORT) if node_count else nullcontext():
+        rendezvous = node_count is not None or spec.command[0] in RENDEZVOUS_STEPS
+        with _rendezvous_port(RENDEZVOUS_PORT) if rendezvous else nullcontext():
             started, t0 = datetime.now(), time.monotonic()
             procs: list[subprocess.Popen] = []
             logs: list[Path] = []
@@ -410,7 +414,8 @@ class LocalBatch:
 @contextmanager
 def _rendezvous_port(port: int) -> Iterator[None]:
     """The entrypoint's rendezvous port is fixed (each Batch node has its own network interface);
-    here every node shares this host's, so one multi-node job at a time holds it: a lock file
+    here every node shares this host's, so one job that rendezvouses at a time holds it (a
+    multi-node job, or a single-node job of a torchrun step: a canary's sanity): a lock file
     orders the jobs of every e2e world on this host (parallel test workers, a `make e2e` beside
     the tests), and the port must be free of anything else too."""
     with open(Path(tempfile.gettempdir()) / f"trainium-e2e-rendezvous-{port}.lock", "w") as lock:
